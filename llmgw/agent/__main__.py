@@ -1,0 +1,5 @@
+import sys
+
+from llmgw.agent import main
+
+sys.exit(main())

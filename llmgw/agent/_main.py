@@ -1,0 +1,109 @@
+"""`llmgw-agent`: the node agent process, and `llmgw-agent inventory`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import trio
+
+from llmgw import config, model
+from llmgw._process import run_service, setup_logging
+from llmgw.agent._node import Node
+from llmgw.agent._session import AgentSession, Backoff
+from llmgw.errors import ConfigError
+from llmgw.rpc import CapnpThread, _tls
+
+log = logging.getLogger("llmgw.agent")
+
+DEFAULT_CONFIG = "/etc/llmgw/agent.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmgw-agent", description="the llmgw node agent")
+    parser.add_argument("--log-level", default=None)
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="run the agent (the default)")
+    inv = sub.add_parser("inventory", help="print what the control plane would see of this node")
+    inv.add_argument("--json", action="store_true", help="machine-readable output")
+    for p in (parser, run, inv):
+        p.add_argument(
+            "--config",
+            type=Path,
+            default=argparse.SUPPRESS,
+            help=f"agent.yaml (default: $LLMGW_AGENT_CONFIG or {DEFAULT_CONFIG})",
+        )
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level or ("WARNING" if args.command == "inventory" else None))
+    path = getattr(args, "config", None)
+    if args.command == "inventory":
+        return _inventory(path, args.json)
+    try:
+        cfg = load_config(path or Path(os.environ.get("LLMGW_AGENT_CONFIG", DEFAULT_CONFIG)))
+    except ConfigError as exc:
+        print(f"llmgw-agent: {exc}", file=sys.stderr)
+        return 2
+    return run_service("llmgw-agent", lambda: serve(cfg))
+
+
+def load_config(path: Path) -> config.AgentConfig:
+    cfg = config.load(path, config.AgentConfig)
+    if not cfg.addresses:
+        raise ConfigError(f"{path}: servers: name at least one control plane (host:port)")
+    return cfg
+
+
+def _inventory(path: Path | None, as_json: bool) -> int:
+    """Without a config file, discovery runs with defaults (no model dirs, no fabrics)."""
+    env = os.environ.get("LLMGW_AGENT_CONFIG")
+    try:
+        if path is None and env:
+            path = Path(env)
+        cfg = config.load(path, config.AgentConfig) if path is not None else None
+    except ConfigError as exc:
+        print(f"llmgw-agent: {exc}", file=sys.stderr)
+        return 2
+    node = Node(cfg)
+    inventory = node.collect_inventory()
+    if as_json:
+        print(json.dumps(node.inventory_json(inventory), indent=2))
+    else:
+        print(node.format_inventory(inventory))
+    return 0
+
+
+class AgentServant:
+    """What the agent answers to the control plane (more arrives with the supervisor)."""
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    async def inventory(self) -> model.Inventory:
+        return await trio.to_thread.run_sync(self._node.collect_inventory)
+
+
+async def serve(cfg: config.AgentConfig) -> None:
+    _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    tls = _tls.client_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    node = Node(cfg)
+    session = AgentSession(
+        node_id=cfg.node_id,
+        addresses=cfg.addresses,
+        tls=tls,
+        servant=AgentServant(node),
+        hello_inventory=node.hello_inventory,
+        heartbeat=node.heartbeat,
+        backoff=Backoff(cfg.reconnect_initial_s, cfg.reconnect_max_s),
+    )
+    log.info(
+        "agent %s starting; control planes: %s",
+        cfg.node_id,
+        ", ".join(f"{h}:{p}" for h, p in cfg.addresses),
+    )
+    async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+        nursery.start_soon(node.sample_forever)
+        await session.run(bridge)

@@ -1,0 +1,169 @@
+"""The agent's session with the control plane.
+
+Connect, register with the whole inventory and every shard, heartbeat, and
+when anything breaks, reconnect: every address in turn, then a jittered
+exponential backoff, forever. A standby's refusal moves on at once (to the
+leader it names, when it names one).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+
+import attrs
+import trio
+
+from llmgw import __version__, model
+from llmgw.errors import Disconnected, PeerError, RegistrationRefused, TlsRefused
+from llmgw.rpc import CapnpThread, ClientConnection, SessionHandle
+
+log = logging.getLogger("llmgw.agent.session")
+
+
+@attrs.frozen
+class Backoff:
+    """Jittered exponential backoff: `initial * 2**attempt`, capped, times a factor in [0.5, 1]."""
+
+    initial_s: float = 0.5
+    max_s: float = 5.0
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        return float(
+            min(self.max_s, self.initial_s * 2 ** min(attempt, 30)) * rng.uniform(0.5, 1.0)
+        )
+
+
+class AgentSession:
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        addresses: Sequence[tuple[str, int]],
+        tls: ssl.SSLContext,
+        servant: object,
+        hello_inventory: Callable[[], Awaitable[model.Inventory]],
+        heartbeat: Callable[[int], Awaitable[model.Heartbeat]],
+        shards: Callable[[], tuple[model.ShardReport, ...]] = tuple,
+        backoff: Backoff = Backoff(),
+        rng: random.Random | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.addresses = list(addresses)
+        self._tls = tls
+        self._servant = servant
+        self._hello_inventory = hello_inventory
+        self._heartbeat = heartbeat
+        self._shards = shards
+        self._backoff = backoff
+        self._rng = rng or random.Random()
+        self.registered_with: str | None = None
+        self.registrations = 0
+        self.connected = trio.Event()
+        self._last_complaint: str | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<AgentSession {self.node_id} registered_with={self.registered_with} "
+            f"registrations={self.registrations}>"
+        )
+
+    async def run(self, bridge: CapnpThread) -> None:
+        """Stay registered until cancelled."""
+        attempt = 0
+        while True:
+            queue = list(self.addresses)
+            tried: set[tuple[str, int]] = set()
+            while queue:
+                host, port = queue.pop(0)
+                if (host, port) in tried:
+                    continue
+                tried.add((host, port))
+                try:
+                    await self._one_session(bridge, host, port)
+                    attempt = 0  # we were registered: start the backoff afresh
+                except RegistrationRefused as exc:
+                    self._complain(f"control plane {host}:{port} refused registration: {exc}")
+                    if exc.leader:
+                        leader = _parse_address(exc.leader)
+                        if leader is not None:
+                            queue.insert(0, leader)
+                except TlsRefused as exc:
+                    self._complain(str(exc), logging.ERROR)
+                except PeerError as exc:
+                    self._complain(f"control plane {host}:{port}: {exc}")
+                except trio.TooSlowError:
+                    self._complain(f"control plane {host}:{port} did not answer in time")
+                finally:
+                    self.registered_with = None
+            delay = self._backoff.delay(attempt, self._rng)
+            attempt += 1
+            log.log(
+                logging.INFO if attempt % 10 == 1 else logging.DEBUG,
+                "no control plane reachable; next try in %.1f s (attempt %d)",
+                delay,
+                attempt,
+            )
+            await trio.sleep(delay)
+
+    def _complain(self, message: str, level: int = logging.WARNING) -> None:
+        """Log a failure; the same failure again, on every retry, only at debug level."""
+        log.log(level if message != self._last_complaint else logging.DEBUG, "%s", message)
+        self._last_complaint = message
+
+    async def _one_session(self, bridge: CapnpThread, host: str, port: int) -> None:
+        async with bridge.connect(host, port, self._tls, agent=self._servant) as conn:  # type: ignore[arg-type]
+            hello = model.Hello(
+                node_id=self.node_id,
+                agent_version=__version__,
+                inventory=await self._hello_inventory(),
+                shards=self._shards(),
+            )
+            with trio.fail_after(30):
+                session, settings = await conn.register(hello)
+            self.registered_with = f"{host}:{port}"
+            self._last_complaint = None
+            self.registrations += 1
+            self.connected.set()
+            log.info(
+                "registered with %s:%s (heartbeat every %g s, epoch %d)",
+                host,
+                port,
+                settings.heartbeat_interval_s,
+                settings.epoch,
+            )
+            try:
+                await self._heartbeats(conn, session, settings)
+            finally:
+                session.release()
+                self.connected = trio.Event()
+
+    async def _heartbeats(
+        self, conn: ClientConnection, session: SessionHandle, settings: model.Settings
+    ) -> None:
+        interval = settings.heartbeat_interval_s
+        seq = 0
+
+        async def beat_forever() -> None:
+            nonlocal seq
+            while True:
+                await trio.sleep(interval)
+                seq += 1
+                beat = await self._heartbeat(seq)
+                with trio.fail_after(max(2 * interval, 5.0)):
+                    await session.heartbeat(beat)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(beat_forever)
+            await conn.closed.wait()
+            nursery.cancel_scope.cancel()
+        raise Disconnected(f"connection to {conn.address} lost")
+
+
+def _parse_address(text: str) -> tuple[str, int] | None:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)

@@ -1,0 +1,5 @@
+import sys
+
+from llmgw.cp import main
+
+sys.exit(main())

@@ -1,0 +1,78 @@
+"""`llmgw-cp`: the control plane process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hypercorn.config
+import hypercorn.trio
+import trio
+
+from llmgw import config, core
+from llmgw._process import run_service, setup_logging
+from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
+from llmgw.cp._registry import NodeRegistry
+from llmgw.errors import ConfigError
+from llmgw.rpc import CapnpThread, _tls
+
+log = logging.getLogger("llmgw.cp")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmgw-cp", description="the llmgw control plane")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=Path(os.environ.get("LLMGW_SERVER_CONFIG", "/etc/llmgw/server.yaml")),
+        help="server.yaml (default: $LLMGW_SERVER_CONFIG or /etc/llmgw/server.yaml)",
+    )
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = config.load(args.config, config.ServerConfig)
+    except ConfigError as exc:
+        print(f"llmgw-cp: {exc}", file=sys.stderr)
+        return 2
+    return run_service("llmgw-cp", lambda: serve(cfg))
+
+
+async def serve(
+    cfg: config.ServerConfig, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    tls = _tls.server_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    key_path, created = ensure_admin_key(cfg.state_dir)
+    if created:
+        log.info("created the first admin key in %s (keep it safe)", key_path)
+    admin = AdminApp(registry := NodeRegistry(_policy(cfg)), read_admin_key(key_path))
+    rpc_host, rpc_port = config.split_host_port(cfg.rpc_listen)
+
+    hc = hypercorn.config.Config()
+    hc.bind = [cfg.admin_listen]
+    hc.accesslog = None
+    hc.graceful_timeout = 1.0
+
+    async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        port = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, registry)
+        await nursery.start(hypercorn.trio.serve, admin, hc)
+        log.info(
+            "control plane ready: agents on %s:%d, admin API on http://%s",
+            rpc_host,
+            port,
+            cfg.admin_listen,
+        )
+        task_status.started()
+
+
+def _policy(cfg: config.ServerConfig) -> core.LivenessPolicy:
+    return core.LivenessPolicy(
+        heartbeat_interval_s=cfg.heartbeat_interval_s,
+        missed_heartbeats=cfg.missed_heartbeats,
+        lost_after_s=cfg.lost_after_s,
+    )

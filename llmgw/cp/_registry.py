@@ -1,0 +1,217 @@
+"""The node registry: who is connected, what they have, and whether they are alive.
+
+The registry is the control plane's `RegistryServant`: the RPC boundary hands
+it registrations (with the peer's certificate CN and an `AgentHandle`), and it
+feeds the pure liveness machine in llmgw.core with registrations, heartbeats,
+lost connections and clock ticks, logging every state change with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from llmgw import core, model
+from llmgw.errors import RegistrationRefused
+from llmgw.rpc import AgentHandle, PeerInfo, SessionServant
+
+log = logging.getLogger("llmgw.cp.registry")
+
+
+@attrs.define
+class NodeRecord:
+    node_id: str
+    liveness: core.Liveness
+    generation: int  # bumped on every registration; older sessions are ignored
+    address: str
+    agent_version: str
+    inventory: model.Inventory
+    shards: tuple[model.ShardReport, ...]
+    agent: AgentHandle | None
+    last_seen_wall: float
+
+
+class _Session:
+    """One registration's NodeSession; stale once the node registers again."""
+
+    def __init__(self, registry: NodeRegistry, node_id: str, generation: int) -> None:
+        self._registry = registry
+        self._node_id = node_id
+        self._generation = generation
+
+    async def heartbeat(self, beat: model.Heartbeat) -> None:
+        self._registry.on_heartbeat(self._node_id, self._generation, beat)
+
+    async def shard_status(self, shard: model.ShardReport) -> None:
+        self._registry.on_shard_status(self._node_id, self._generation, shard)
+
+    async def progress(self, progress: model.Progress) -> None:
+        log.debug("%s: progress %s", self._node_id, progress)
+
+
+class NodeRegistry:
+    def __init__(
+        self,
+        policy: core.LivenessPolicy,
+        *,
+        clock: Callable[[], float] = trio.current_time,
+        wall: Callable[[], float] = time.time,
+        epoch: int = 1,
+    ) -> None:
+        self.policy = policy
+        self.epoch = epoch
+        self._clock = clock
+        self._wall = wall
+        self._nodes: dict[str, NodeRecord] = {}
+        self._nursery: trio.Nursery | None = None
+        self._generations = 0
+
+    def __repr__(self) -> str:
+        return f"<NodeRegistry {self.statistics()}>"
+
+    def statistics(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in core.NodeState}
+        for rec in self._nodes.values():
+            counts[rec.liveness.state.value] += 1
+        return counts
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the per-session watchers and ticks the liveness machine every second."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                await trio.sleep(1.0)
+                self.tick()
+
+    # RegistryServant ------------------------------------------------------------
+
+    async def register(
+        self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle
+    ) -> tuple[SessionServant, model.Settings]:
+        if peer.common_name != hello.node_id:
+            log.warning(
+                "refused registration from %s: its certificate is for node %r "
+                "but it claims to be node %r",
+                peer.address,
+                peer.common_name,
+                hello.node_id,
+            )
+            agent.release()
+            raise RegistrationRefused(
+                f"refused: the client certificate is for node {peer.common_name!r} "
+                f"but the agent claims to be node {hello.node_id!r}; issue one with "
+                f"`llmgw ctl cert agent {hello.node_id}` or fix node_id in agent.yaml"
+            )
+        now = self._clock()
+        self._generations += 1
+        generation = self._generations
+        old = self._nodes.get(hello.node_id)
+        if old is not None and old.agent is not None:
+            old.agent.release()
+        rec = NodeRecord(
+            node_id=hello.node_id,
+            liveness=core.registered(now),
+            generation=generation,
+            address=peer.address,
+            agent_version=hello.agent_version,
+            inventory=hello.inventory,
+            shards=hello.shards,
+            agent=agent,
+            last_seen_wall=self._wall(),
+        )
+        self._nodes[hello.node_id] = rec
+        before = old.liveness.state.value if old else "new"
+        log.info(
+            "node %s: %s -> ready (registered from %s, %d shards)",
+            hello.node_id,
+            before,
+            peer.address,
+            len(hello.shards),
+        )
+        if self._nursery is not None:
+            self._nursery.start_soon(self._watch, hello.node_id, generation, peer.closed)
+        return _Session(self, hello.node_id, generation), model.Settings(
+            heartbeat_interval_s=self.policy.heartbeat_interval_s, epoch=self.epoch
+        )
+
+    async def _watch(self, node_id: str, generation: int, closed: trio.Event) -> None:
+        await closed.wait()
+        rec = self._current(node_id, generation)
+        if rec is not None:
+            if rec.agent is not None:
+                rec.agent.release()
+                rec.agent = None
+            self._apply(rec, core.ConnectionLost(self._clock()))
+
+    # events -------------------------------------------------------------------
+
+    def _current(self, node_id: str, generation: int) -> NodeRecord | None:
+        rec = self._nodes.get(node_id)
+        return rec if rec is not None and rec.generation == generation else None
+
+    def _apply(self, rec: NodeRecord, event: core.Event) -> None:
+        before = rec.liveness
+        rec.liveness = core.step(before, event, self.policy)
+        if rec.liveness.state is not before.state:
+            log.info(
+                "node %s: %s -> %s (%s)",
+                rec.node_id,
+                before.state.value,
+                rec.liveness.state.value,
+                rec.liveness.reason,
+            )
+
+    def on_heartbeat(self, node_id: str, generation: int, beat: model.Heartbeat) -> None:
+        rec = self._current(node_id, generation)
+        if rec is None:
+            return
+        rec.last_seen_wall = self._wall()
+        inv = rec.inventory
+        changes: dict[str, object] = {"usage": beat.usage}
+        if beat.weights is not None:
+            changes["weights"] = beat.weights
+        if beat.engines is not None:
+            changes["engines"] = beat.engines
+        if beat.warnings is not None:
+            changes["warnings"] = beat.warnings
+        rec.inventory = attrs.evolve(inv, **changes)  # type: ignore[arg-type]
+        self._apply(rec, core.HeartbeatSeen(self._clock()))
+
+    def on_shard_status(self, node_id: str, generation: int, shard: model.ShardReport) -> None:
+        rec = self._current(node_id, generation)
+        if rec is None:
+            return
+        others = tuple(s for s in rec.shards if s.shard_id != shard.shard_id)
+        rec.shards = (*others, shard)
+
+    def tick(self) -> None:
+        event = core.Tick(self._clock())
+        for rec in self._nodes.values():
+            self._apply(rec, event)
+
+    # views --------------------------------------------------------------------
+
+    def views(self) -> list[model.NodeView]:
+        now_clock, now_wall = self._clock(), self._wall()
+        return [
+            model.NodeView(
+                node_id=rec.node_id,
+                state=rec.liveness.state.value,
+                state_reason=rec.liveness.reason,
+                since=now_wall - (now_clock - rec.liveness.since),
+                last_seen=rec.last_seen_wall,
+                address=rec.address,
+                agent_version=rec.agent_version,
+                inventory=rec.inventory,
+            )
+            for rec in sorted(self._nodes.values(), key=lambda r: r.node_id)
+        ]
+
+    def agent(self, node_id: str) -> AgentHandle | None:
+        rec = self._nodes.get(node_id)
+        return rec.agent if rec is not None else None

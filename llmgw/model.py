@@ -1,0 +1,248 @@
+"""The values that travel between agent, control plane and CLI.
+
+Plain frozen attrs classes, no behaviour. `None` always means unknown (the
+probe could not tell, or the agent is older than the field) and is never turned
+into 0 on the way to the wire, a page or a metric. The wire schema
+(schema/llmgw.capnp) mirrors these classes field for field; the codec in
+llmgw.rpc converts between them by name.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+# --- Hardware inventory -----------------------------------------------------
+
+
+@attrs.frozen
+class Gpu:
+    """One NVIDIA card as the driver reports it."""
+
+    index: int
+    uuid: str
+    name: str
+    gpu_class: str  # "h100-80g", "l40s-45g": name and size in GiB as the driver reports it
+    pci_bus_id: str | None = None
+    memory_total_mib: int | None = None
+    memory_used_mib: int | None = None
+    compute_capability: str | None = None  # "9.0"
+    ecc_uncorrected: int | None = None
+    utilization_pct: float | None = None
+    foreign_memory_mib: int | None = None  # held by processes llmgw did not start
+    numa_node: int | None = None
+    cpu_affinity: str | None = None  # "0-47,96-143" as topo -m prints it
+
+
+@attrs.frozen
+class NvLink:
+    """GPUs `a` and `b` (indexes) joined by `links` NVLinks (NV18 -> 18)."""
+
+    a: int
+    b: int
+    links: int
+
+
+@attrs.frozen
+class NicDistance:
+    """How far network adapter `nic` is from GPU `gpu`: PIX, PXB, PHB, NODE or SYS."""
+
+    gpu: int
+    nic: str
+    distance: str
+
+
+@attrs.frozen
+class Topology:
+    nvlinks: tuple[NvLink, ...] = ()
+    nic_distances: tuple[NicDistance, ...] = ()
+
+
+@attrs.frozen
+class IbPort:
+    number: int
+    state: str  # ACTIVE, DOWN, INIT, ARMED
+    phys_state: str  # LinkUp, Disabled, Polling
+    rate_gbps: float | None
+    link_layer: str  # InfiniBand or Ethernet (RoCE)
+
+
+@attrs.frozen
+class IbAdapter:
+    name: str  # mlx5_0
+    ports: tuple[IbPort, ...] = ()
+    hca_type: str | None = None
+    fw_ver: str | None = None
+
+
+@attrs.frozen
+class Fabric:
+    """A declared fabric this node advertises: only adapters with an ACTIVE port."""
+
+    name: str
+    adapters: tuple[str, ...]
+    rate_gbps: float | None  # the slowest active link
+
+
+@attrs.frozen
+class Host:
+    hostname: str
+    os_id: str | None = None
+    os_like: tuple[str, ...] = ()
+    os_version: str | None = None
+    arch: str | None = None
+    cpu_model: str | None = None
+    cpu_count: int | None = None  # logical CPUs
+    cpu_flags: tuple[str, ...] = ()  # vector extensions only: avx, avx2, avx512f, ...
+    driver_version: str | None = None
+    cuda_version: str | None = None
+
+
+@attrs.frozen
+class Filesystem:
+    """One pool of bytes: two configured directories on one disk are one entry."""
+
+    mount: str
+    fstype: str
+    paths: tuple[str, ...]  # the configured directories that live on it
+    total_bytes: int | None
+    free_bytes: int | None
+    shared: bool  # NFS, Lustre, GPFS, BeeGFS, CephFS, CIFS...: never summed into the node's own
+
+
+@attrs.frozen
+class WeightFile:
+    path: str
+    size_bytes: int
+
+
+@attrs.frozen
+class Weights:
+    """The model files on the node. Sent only when `fingerprint` changes.
+
+    An empty `files` means "holds nothing"; an absent `Weights` means nothing to report.
+    """
+
+    fingerprint: str
+    files: tuple[WeightFile, ...] = ()
+
+
+@attrs.frozen
+class Engine:
+    name: str  # vllm, sglang, llama-server
+    path: str  # the executable, or the Python that imports the module
+
+
+@attrs.frozen
+class Engines:
+    """Engines found on the node. Present means the agent probed: empty = has none."""
+
+    found: tuple[Engine, ...] = ()
+
+
+@attrs.frozen
+class GpuUsage:
+    index: int
+    memory_used_mib: int | None = None
+    utilization_pct: float | None = None
+    foreign_memory_mib: int | None = None
+
+
+@attrs.frozen
+class ShardUsage:
+    shard_id: str
+    cpu_cores: float | None = None
+    rss_bytes: int | None = None
+
+
+@attrs.frozen
+class Usage:
+    """What changes between heartbeats. Each field is absent when its measurement is stale."""
+
+    memory_total_bytes: int | None = None
+    memory_available_bytes: int | None = None
+    load1: float | None = None
+    load5: float | None = None
+    load15: float | None = None
+    cpu_util_pct: float | None = None
+    gpus: tuple[GpuUsage, ...] = ()
+    filesystems: tuple[Filesystem, ...] = ()
+    shards: tuple[ShardUsage, ...] = ()
+
+
+@attrs.frozen
+class Inventory:
+    host: Host
+    usage: Usage = Usage()
+    gpus: tuple[Gpu, ...] | None = None  # None: could not tell; () : no NVIDIA cards
+    topology: Topology | None = None
+    ib_adapters: tuple[IbAdapter, ...] = ()
+    fabrics: tuple[Fabric, ...] = ()
+    weights: Weights | None = None
+    engines: Engines | None = None
+    warnings: tuple[str, ...] = ()
+
+
+# --- Session ------------------------------------------------------------------
+
+
+@attrs.frozen
+class ShardReport:
+    """A shard the agent runs, as reported at registration and on every change."""
+
+    shard_id: str
+    model: str
+    engine: str
+    state: str  # starting, loading, ready, failed, stopped
+    port: int | None = None
+    pids: tuple[int, ...] = ()
+    reason: str | None = None
+    profile_fingerprint: str | None = None
+
+
+@attrs.frozen
+class Hello:
+    node_id: str
+    agent_version: str
+    inventory: Inventory
+    shards: tuple[ShardReport, ...] = ()
+
+
+@attrs.frozen
+class Heartbeat:
+    seq: int
+    usage: Usage = Usage()
+    weights: Weights | None = None
+    engines: Engines | None = None
+    warnings: tuple[str, ...] | None = None  # None: unchanged
+
+
+@attrs.frozen
+class Settings:
+    """What the control plane tells an agent at registration."""
+
+    heartbeat_interval_s: float
+    epoch: int
+
+
+@attrs.frozen
+class Progress:
+    shard_id: str
+    done_bytes: int
+    total_bytes: int | None = None
+
+
+# --- Control plane views ------------------------------------------------------
+
+
+@attrs.frozen
+class NodeView:
+    """One node as the admin API shows it."""
+
+    node_id: str
+    state: str  # ready, unreachable, lost
+    state_reason: str
+    since: float  # unix time of the last state change
+    last_seen: float | None
+    address: str | None
+    agent_version: str | None
+    inventory: Inventory | None

@@ -1,0 +1,738 @@
+"""The RPC boundary: pycapnp on its own thread, bridged to trio.
+
+pycapnp 2.x runs only on an asyncio loop with KJ attached (`capnp.kj_loop()`),
+and a capnp object destroyed on a thread without that loop aborts the
+process. So every capnp object lives on one dedicated thread (`CapnpThread`),
+and the rule is: **no capnp object crosses into trio code**.
+
+- Calls from trio run as coroutines on the capnp thread
+  (`run_coroutine_threadsafe`); their results are converted to attrs values
+  there, and errors are rebuilt as llmgw errors *outside* the `except` block,
+  so neither a KjException nor a traceback frame holding a capnp reader
+  reaches trio.
+- Capabilities stay in a table on the capnp thread; trio holds handles (an
+  integer id and the bridge). A handle released from trio, or collected
+  there, schedules its removal on the capnp thread.
+- Calls into trio (the servants behind Registry, NodeSession, Agent) are
+  scheduled with `TrioToken.run_sync_soon` into a nursery the bridge owns and
+  answered through an asyncio future; cancelling either side cancels the
+  other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import ssl
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import attrs
+import capnp
+import trio
+
+from llmgw import model
+from llmgw.errors import (
+    Disconnected,
+    LlmgwError,
+    NotImplementedRemotely,
+    PeerError,
+    RegistrationRefused,
+    RemoteError,
+    TlsRefused,
+)
+from llmgw.rpc import _codec, _tls
+
+log = logging.getLogger("llmgw.rpc")
+
+T = TypeVar("T")
+
+_SCHEMA_PATH = Path(__file__).with_name("llmgw.capnp")
+schema: Any = capnp.load(str(_SCHEMA_PATH))
+
+# Prefix of a refusal that names the leader; agents parse it to move on.
+STANDBY_PREFIX = "standby; leader is "
+
+
+# --- Servants: what trio code implements -------------------------------------
+
+
+@attrs.frozen
+class PeerInfo:
+    """Who is on the other end of an inbound connection."""
+
+    conn_id: int
+    address: str
+    common_name: str | None
+    closed: trio.Event = attrs.field(eq=False, repr=False)
+
+
+class SessionServant(Protocol):
+    async def heartbeat(self, beat: model.Heartbeat) -> None: ...
+    async def shard_status(self, shard: model.ShardReport) -> None: ...
+    async def progress(self, progress: model.Progress) -> None: ...
+
+
+class RegistryServant(Protocol):
+    async def register(
+        self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle
+    ) -> tuple[SessionServant, model.Settings]: ...
+
+
+class AgentServant(Protocol):
+    """What an agent answers. Methods it lacks answer "not implemented"."""
+
+    async def inventory(self) -> model.Inventory: ...
+
+
+# --- Errors ---------------------------------------------------------------------
+
+
+def _map_kj(exc: BaseException, what: str) -> LlmgwError:
+    """Turn a capnp exception into ours; keeps only its text."""
+    text = str(getattr(exc, "description", None) or exc)
+    kind = getattr(exc, "type", None)
+    if kind == "DISCONNECTED":
+        return Disconnected(f"{what}: connection lost ({text})")
+    if kind == "UNIMPLEMENTED" or "not implemented" in text:
+        return NotImplementedRemotely(f"{what}: {text}")
+    if STANDBY_PREFIX in text:
+        leader = text.split(STANDBY_PREFIX, 1)[1].split()[0].strip("'\".,")
+        return RegistrationRefused(f"{what}: {text}", leader=leader or None)
+    if "refused:" in text:
+        return RegistrationRefused(f"{what}: {text.split('refused:', 1)[1].strip()}")
+    return RemoteError(f"{what}: {text}")
+
+
+def _remote_message(exc: BaseException) -> str:
+    """What a servant's exception tells the peer: our errors' text, else a generic line."""
+    if isinstance(exc, LlmgwError):
+        return str(exc)
+    return f"internal error in {type(exc).__name__}: {exc}"
+
+
+# --- The capnp thread ------------------------------------------------------------
+
+
+class _Outcome:
+    __slots__ = ("error", "value")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value = value
+        self.error = error
+
+
+class CapnpThread:
+    """One thread running asyncio + KJ; every capnp object lives there."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._failure: BaseException | None = None
+        self._ids = itertools.count(1)
+        # capnp side only:
+        self._caps: dict[int, Any] = {}
+        self._conns: dict[int, _Conn] = {}
+        self.calls_in_flight = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<CapnpThread caps={len(self._caps)} conns={len(self._conns)} "
+            f"in_flight={self.calls_in_flight}>"
+        )
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "capabilities": len(self._caps),
+            "connections": len(self._conns),
+            "calls_in_flight": self.calls_in_flight,
+        }
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls) -> AsyncIterator[CapnpThread]:
+        self = cls()
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._thread = threading.Thread(target=self._main, name="capnp", daemon=True)
+            self._thread.start()
+            await trio.to_thread.run_sync(self._ready.wait, abandon_on_cancel=True)
+            if self._failure is not None:
+                raise RuntimeError("the capnp thread failed to start") from self._failure
+            try:
+                yield self
+            finally:
+                with trio.CancelScope(shield=True):
+                    self._shutdown()
+                    await trio.to_thread.run_sync(self._thread.join, 10.0)
+                nursery.cancel_scope.cancel()
+
+    # thread side -------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._amain())
+        except BaseException as exc:  # surfaced to open() or logged
+            self._failure = exc
+            log.exception("capnp thread ended with an error")
+        finally:
+            self._ready.set()
+
+    async def _amain(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with capnp.kj_loop():
+            self._ready.set()
+            await self._stop.wait()
+            for conn in list(self._conns.values()):
+                conn.close()
+            self._caps.clear()
+            # Let transports flush their close before KJ goes away.
+            await asyncio.sleep(0)
+
+    def _shutdown(self) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                loop.call_soon_threadsafe(stop.set)
+
+    # trio -> capnp -------------------------------------------------------------
+
+    async def run(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """Run `fn(*args)` on the capnp thread and return its (plain) result.
+
+        `fn` must return plain values. Cancelling the trio caller cancels the
+        coroutine, and with it the capnp call it awaits.
+        """
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            raise Disconnected("the RPC thread has stopped")
+        cfut = asyncio.run_coroutine_threadsafe(self._guard(fn, args), loop)
+        done = trio.Event()
+        token = self._token
+        assert token is not None
+
+        def wake(_: object) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done.set)
+
+        cfut.add_done_callback(wake)
+        try:
+            await done.wait()
+        except trio.Cancelled:
+            cfut.cancel()
+            raise
+        outcome: _Outcome = cfut.result()
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.value  # type: ignore[no-any-return]
+
+    async def _guard(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> _Outcome:
+        # Build our error outside the except block: the capnp exception, and
+        # the frames its traceback holds, must die on this thread.
+        self.calls_in_flight += 1
+        what = getattr(fn, "__name__", "call").lstrip("_")
+        error: LlmgwError | None = None
+        try:
+            return _Outcome(value=await fn(*args))
+        except LlmgwError as exc:
+            # Ours, but raised here: its context and frames may hold capnp objects.
+            exc.__context__ = exc.__cause__ = None
+            error = exc.with_traceback(None)
+        except capnp.KjException as exc:
+            error = _map_kj(exc, what)
+        except (ConnectionError, OSError) as exc:
+            error = Disconnected(f"{what}: {exc}")
+        except Exception as exc:
+            log.exception("unexpected error in %s on the capnp thread", what)
+            error = PeerError(f"{what}: {type(exc).__name__}: {exc}")
+        finally:
+            self.calls_in_flight -= 1
+        return _Outcome(error=error)
+
+    # capnp -> trio ---------------------------------------------------------------
+
+    async def to_trio(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """From the capnp thread: run `fn(*args)` as a trio task and await it."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[_Outcome] = loop.create_future()
+        box: dict[str, Any] = {"scope": None, "cancel": False}
+
+        def deliver(outcome: _Outcome) -> None:
+            if not fut.done():
+                fut.set_result(outcome)
+
+        async def runner() -> None:
+            outcome = _Outcome(error=Disconnected("cancelled"))
+            try:
+                with trio.CancelScope() as scope:
+                    box["scope"] = scope
+                    if box["cancel"]:
+                        scope.cancel()
+                    try:
+                        outcome = _Outcome(value=await fn(*args))
+                    except Exception as exc:
+                        outcome = _Outcome(error=exc)
+            finally:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(deliver, outcome)
+
+        def spawn() -> None:
+            assert self._nursery is not None
+            self._nursery.start_soon(runner)
+
+        def cancel() -> None:
+            box["cancel"] = True
+            if box["scope"] is not None:
+                box["scope"].cancel()
+
+        assert self._token is not None
+        self._token.run_sync_soon(spawn)
+        try:
+            outcome = await fut
+        except asyncio.CancelledError:
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(cancel)
+            raise
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.value
+
+    def notify(self, event: trio.Event) -> None:
+        """From the capnp thread: set a trio event."""
+        assert self._token is not None
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(event.set)
+
+    # capability table (capnp side) ---------------------------------------------------
+
+    def _keep(self, cap: Any, conn: _Conn | None) -> int:
+        cap_id = next(self._ids)
+        self._caps[cap_id] = cap
+        if conn is not None:
+            conn.caps.add(cap_id)
+        return cap_id
+
+    def _cap(self, cap_id: int, what: str) -> Any:
+        try:
+            return self._caps[cap_id]
+        except KeyError:
+            raise Disconnected(f"{what}: capability released or its connection closed") from None
+
+    def release(self, cap_id: int) -> None:
+        """Drop a capability; callable from any thread, idempotent."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._caps.pop, cap_id, None)
+
+    # connections ---------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def connect(
+        self,
+        host: str,
+        port: int,
+        tls: ssl.SSLContext,
+        *,
+        agent: AgentServant | None = None,
+        timeout: float = 10.0,
+    ) -> AsyncIterator[ClientConnection]:
+        """Dial a control plane; yields a connection whose `registry` is the bootstrap."""
+        closed = trio.Event()
+        conn_id, registry_id = await self.run(self._dial, host, port, tls, timeout, closed)
+        conn = ClientConnection(
+            self, conn_id, f"{host}:{port}", RegistryHandle(self, registry_id), closed
+        )
+        conn._agent_servant = agent
+        try:
+            yield conn
+        finally:
+            conn.registry.release()
+            with trio.CancelScope(shield=True):
+                await self.close_connection(conn_id)
+
+    async def _dial(
+        self, host: str, port: int, tls: ssl.SSLContext, timeout: float, closed: trio.Event
+    ) -> tuple[int, int]:
+        failure: ssl.SSLError | None = None
+        try:
+            stream = await asyncio.wait_for(
+                capnp.AsyncIoStream.create_connection(
+                    host, port, ssl=tls, server_hostname=host, ssl_handshake_timeout=timeout
+                ),
+                timeout,
+            )
+        except ssl.SSLError as exc:
+            failure = exc
+        except TimeoutError:
+            raise Disconnected(f"no answer within {timeout:g} s") from None
+        except ConnectionRefusedError:
+            raise Disconnected(
+                "connection refused (is llmgw-cp running and listening there?)"
+            ) from None
+        except OSError as exc:
+            raise Disconnected(f"cannot connect: {exc.strerror or exc}") from None
+        if failure is not None:
+            # Say which names the certificate does hold: one more, unverified, look at it.
+            presented = await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(_tls.fetch_server_certificate, host, port, timeout=3.0)
+            )
+            message = _tls.describe_tls_failure(failure, host, port, server_cert=presented)
+            raise TlsRefused(message)
+        client = capnp.TwoPartyClient(stream)
+        conn = _Conn(next(self._ids), client, stream, closed, self)
+        self._conns[conn.conn_id] = conn
+        conn.watch(client.on_disconnect())
+        registry = client.bootstrap().cast_as(schema.Registry)
+        return conn.conn_id, self._keep(registry, conn)
+
+    async def close_connection(self, conn_id: int) -> None:
+        async def close() -> None:
+            conn = self._conns.get(conn_id)
+            if conn is not None:
+                conn.close()
+
+        with contextlib.suppress(Disconnected):
+            await self.run(close)
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        tls: ssl.SSLContext,
+        servant: RegistryServant,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen for agents until cancelled; reports the bound port when listening."""
+        server_id, bound = await self.run(self._listen, host, port, tls, servant)
+        try:
+            task_status.started(bound)
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+
+                async def stop() -> None:
+                    server = self._caps.pop(server_id, None)
+                    if server is not None:
+                        server.close()
+
+                with contextlib.suppress(Disconnected):
+                    await self.run(stop)
+
+    async def _listen(
+        self, host: str, port: int, tls: ssl.SSLContext, servant: RegistryServant
+    ) -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+
+        def protocol_factory() -> Any:
+            # pycapnp's public create_server hides the transport, and with it
+            # the peer certificate; this is the same factory with a hand on it.
+            holder: dict[str, Any] = {}
+
+            def on_connect(stream: Any) -> Coroutine[Any, Any, None]:
+                transport = holder.pop("protocol").transport
+                return self._accept(stream, transport, servant)
+
+            protocol = capnp.AsyncIoStream._connect(on_connect)
+            holder["protocol"] = protocol
+            return protocol
+
+        try:
+            server = await loop.create_server(protocol_factory, host, port, ssl=tls)
+        except OSError as exc:
+            raise LlmgwError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        bound = server.sockets[0].getsockname()[1]
+        return self._keep(server, None), bound
+
+    async def _accept(self, stream: Any, transport: Any, servant: RegistryServant) -> None:
+        peername = transport.get_extra_info("peername") if transport is not None else None
+        peercert = transport.get_extra_info("peercert") if transport is not None else None
+        address = f"{peername[0]}:{peername[1]}" if peername else "unknown"
+        closed = trio.Event()
+        conn = _Conn(next(self._ids), None, stream, closed, self)
+        peer = PeerInfo(conn.conn_id, address, _tls.peer_common_name(peercert), closed)
+        server = capnp.TwoPartyServer(stream, bootstrap=_RegistryImpl(self, conn, peer, servant))
+        conn.rpc = server
+        self._conns[conn.conn_id] = conn
+        try:
+            await server.on_disconnect()
+        except Exception as exc:  # a reset during the handshake ends here too
+            log.debug("connection %s from %s ended: %s", conn.conn_id, address, exc)
+        finally:
+            conn.close()
+
+
+class _Conn:
+    """One connection, capnp side: its RPC system, stream and capabilities."""
+
+    def __init__(
+        self, conn_id: int, rpc: Any, stream: Any, closed: trio.Event, bridge: CapnpThread
+    ) -> None:
+        self.conn_id = conn_id
+        self.rpc = rpc
+        self.stream = stream
+        self.closed = closed
+        self.bridge = bridge
+        self.caps: set[int] = set()
+        self.watcher: asyncio.Task[None] | None = None
+        self.done = False
+
+    def watch(self, on_disconnect: Awaitable[Any]) -> None:
+        async def wait() -> None:
+            with contextlib.suppress(Exception):
+                await on_disconnect
+            self.close()
+
+        self.watcher = asyncio.ensure_future(wait())
+
+    def close(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.bridge._conns.pop(self.conn_id, None)
+        for cap_id in self.caps:
+            self.bridge._caps.pop(cap_id, None)
+        self.caps.clear()
+        if self.watcher is not None and self.watcher is not asyncio.current_task():
+            self.watcher.cancel()
+        with contextlib.suppress(Exception):
+            self.stream.close()
+        self.bridge.notify(self.closed)
+
+
+# --- Handles: what trio code holds ------------------------------------------------------
+
+
+class _Handle:
+    def __init__(self, bridge: CapnpThread, cap_id: int) -> None:
+        self._bridge = bridge
+        self._cap_id = cap_id
+        self._released = False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} cap={self._cap_id}{' released' if self._released else ''}>"
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._bridge.release(self._cap_id)
+
+    def __del__(self) -> None:
+        # Collected on the trio thread: the capnp object itself is dropped on its own thread.
+        with contextlib.suppress(Exception):
+            self.release()
+
+
+class ClientConnection:
+    """An agent's connection to a control plane (trio side)."""
+
+    def __init__(
+        self,
+        bridge: CapnpThread,
+        conn_id: int,
+        address: str,
+        registry: RegistryHandle,
+        closed: trio.Event,
+    ) -> None:
+        self.bridge = bridge
+        self.conn_id = conn_id
+        self.address = address
+        self.registry = registry
+        self.closed = closed
+        self._agent_servant: AgentServant | None = None
+
+    def __repr__(self) -> str:
+        return f"<ClientConnection {self.address} closed={self.closed.is_set()}>"
+
+    async def register(self, hello: model.Hello) -> tuple[SessionHandle, model.Settings]:
+        if self._agent_servant is None:
+            raise LlmgwError("connect(agent=...) is needed to register")
+        return await self.registry.register(hello, self._agent_servant, self.conn_id)
+
+
+class RegistryHandle(_Handle):
+    async def register(
+        self, hello: model.Hello, agent: AgentServant, conn_id: int
+    ) -> tuple[SessionHandle, model.Settings]:
+        bridge = self._bridge
+
+        async def register() -> tuple[int, model.Settings]:
+            registry = bridge._cap(self._cap_id, "register")
+            conn = bridge._conns.get(conn_id)
+            request = registry.register_request()
+            _codec.encode(hello, request.hello)
+            request.agent = _AgentImpl(bridge, agent)
+            response = await request.send()
+            settings = _codec.decode(model.Settings, response.settings)
+            return bridge._keep(response.session, conn), settings
+
+        session_id, settings = await bridge.run(register)
+        return SessionHandle(bridge, session_id), settings
+
+
+class SessionHandle(_Handle):
+    async def heartbeat(self, beat: model.Heartbeat) -> None:
+        bridge = self._bridge
+
+        async def heartbeat() -> None:
+            request = bridge._cap(self._cap_id, "heartbeat").heartbeat_request()
+            _codec.encode(beat, request.beat)
+            await request.send()
+
+        await bridge.run(heartbeat)
+
+    async def shard_status(self, shard: model.ShardReport) -> None:
+        bridge = self._bridge
+
+        async def shard_status() -> None:
+            request = bridge._cap(self._cap_id, "shardStatus").shardStatus_request()
+            _codec.encode(shard, request.shard)
+            await request.send()
+
+        await bridge.run(shard_status)
+
+    async def progress(self, progress: model.Progress) -> None:
+        bridge = self._bridge
+
+        async def progress_() -> None:
+            request = bridge._cap(self._cap_id, "progress").progress_request()
+            _codec.encode(progress, request.progress)
+            await request.send()
+
+        await bridge.run(progress_)
+
+
+class AgentHandle(_Handle):
+    """The control plane's hold on one agent's `Agent` capability."""
+
+    async def inventory(self) -> model.Inventory:
+        bridge = self._bridge
+
+        async def inventory() -> model.Inventory:
+            response = await bridge._cap(self._cap_id, "inventory").inventory()
+            result: model.Inventory = _codec.decode(model.Inventory, response.inventory)
+            return result
+
+        return await bridge.run(inventory)
+
+    async def call_unimplemented(self, method: str) -> None:
+        """Call a declared method with empty arguments (tests the "not implemented" path)."""
+        bridge = self._bridge
+
+        async def call() -> None:
+            request = getattr(bridge._cap(self._cap_id, method), f"{method}_request")()
+            await request.send()
+
+        call.__name__ = method
+        await bridge.run(call)
+
+
+# --- capnp server implementations (capnp thread) ---------------------------------------
+
+
+def _raise_remote(exc: BaseException) -> None:
+    raise capnp.KjException(_remote_message(exc))
+
+
+class _RegistryImpl(schema.Registry.Server):  # type: ignore[misc]
+    def __init__(
+        self, bridge: CapnpThread, conn: _Conn, peer: PeerInfo, servant: RegistryServant
+    ) -> None:
+        self._bridge = bridge
+        self._conn = conn
+        self._peer = peer
+        self._servant = servant
+
+    async def register_context(self, context: Any) -> None:
+        bridge = self._bridge
+        hello = _codec.decode(model.Hello, context.params.hello)
+        agent = AgentHandle(bridge, bridge._keep(context.params.agent, self._conn))
+        try:
+            session, settings = await bridge.to_trio(
+                self._servant.register, self._peer, hello, agent
+            )
+        except LlmgwError as exc:
+            message = str(exc)
+        else:
+            context.results.session = _SessionImpl(bridge, session)
+            _codec.encode(settings, context.results.init("settings"))
+            return
+        raise capnp.KjException(message)
+
+
+class _SessionImpl(schema.NodeSession.Server):  # type: ignore[misc]
+    def __init__(self, bridge: CapnpThread, servant: SessionServant) -> None:
+        self._bridge = bridge
+        self._servant = servant
+
+    async def heartbeat_context(self, context: Any) -> None:
+        beat = _codec.decode(model.Heartbeat, context.params.beat)
+        await self._call(self._servant.heartbeat, beat)
+
+    async def shardStatus_context(self, context: Any) -> None:
+        shard = _codec.decode(model.ShardReport, context.params.shard)
+        await self._call(self._servant.shard_status, shard)
+
+    async def progress_context(self, context: Any) -> None:
+        progress = _codec.decode(model.Progress, context.params.progress)
+        await self._call(self._servant.progress, progress)
+
+    async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        message = None
+        try:
+            return await self._bridge.to_trio(fn, *args)
+        except Exception as exc:
+            message = _remote_message(exc)
+        raise capnp.KjException(message)
+
+
+class _AgentImpl(schema.Agent.Server):  # type: ignore[misc]
+    def __init__(self, bridge: CapnpThread, servant: AgentServant) -> None:
+        self._bridge = bridge
+        self._servant = servant
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        fn = getattr(self._servant, name, None)
+        if fn is None:
+            raise capnp.KjException(f"not implemented: {name} is not supported by this agent yet")
+        message = None
+        try:
+            return await self._bridge.to_trio(fn, *args)
+        except Exception as exc:
+            message = _remote_message(exc)
+        raise capnp.KjException(message)
+
+    async def inventory_context(self, context: Any) -> None:
+        inventory = await self._call("inventory")
+        _codec.encode(inventory, context.results.init("inventory"))
+
+    async def startShard_context(self, context: Any) -> None:
+        await self._call("start_shard")
+
+    async def stopShard_context(self, context: Any) -> None:
+        await self._call("stop_shard")
+
+    async def drain_context(self, context: Any) -> None:
+        await self._call("drain")
+
+    async def logs_context(self, context: Any) -> None:
+        await self._call("logs")
+
+    async def reclaim_context(self, context: Any) -> None:
+        await self._call("reclaim")
+
+    async def engineCheck_context(self, context: Any) -> None:
+        await self._call("engine_check")

@@ -1,0 +1,225 @@
+"""A control plane and agents as real processes on loopback, for tests and the demo.
+
+Everything lives under one directory: the PKI made by `llmgw ctl cert`, one
+YAML file per process, state directories and logs. Processes are started with
+the same Python that runs this module, so a virtualenv's console scripts are
+not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from llmgw.ctl import _cert
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
+    """Poll `check` until it returns something truthy; fail naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = check()
+        except Exception as exc:  # the thing being waited for may not be up yet
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:g} s (last: {last!r})")
+        time.sleep(interval)
+
+
+class Proc:
+    def __init__(self, name: str, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log = log
+        self._logf: IO[bytes] = open(log, "ab")  # noqa: SIM115 - lives as long as the process
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._logf,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+        )
+
+    def __repr__(self) -> str:
+        return f"<Proc {self.name} pid={self.pid} rc={self.popen.poll()}>"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill9(self) -> None:
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+        self._logf.close()
+
+    def terminate(self, timeout: float = 5.0) -> tuple[int, float]:
+        """SIGTERM; returns (exit code, seconds taken). Kills it if it overstays `timeout`."""
+        start = time.monotonic()
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            rc = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+            rc = -9
+        self._logf.close()
+        return rc, time.monotonic() - start
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        heartbeat_interval_s: float = 1.0,
+        rpc_host: str = "127.0.0.1",
+        server_names: Sequence[str] = ("127.0.0.1", "localhost"),
+    ) -> None:
+        self.root = root
+        self.pki = root / "pki"
+        self.rpc_host = rpc_host
+        self.server_names = list(server_names)
+        self.rpc_port = free_port(rpc_host)
+        self.admin_port = free_port()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.cp: Proc | None = None
+        self.agents: dict[str, Proc] = {}
+        self.env = dict(os.environ)
+        self.env.pop("LLMGW_AGENT_CONFIG", None)
+        self.env["PYTHONUNBUFFERED"] = "1"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def admin_key(self) -> str:
+        return (self.root / "cp" / "admin.key").read_text().strip()
+
+    def setup(self, nodes: Sequence[str]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not (self.pki / "ca.crt").exists():
+            _cert.init_ca(self.pki)
+            _cert.issue_server(self.pki, self.server_names)
+        for node in nodes:
+            if not (self.pki / f"agent-{node}.crt").exists():
+                _cert.issue_agent(self.pki, node)
+        self._write(
+            "server.yaml",
+            {
+                "state_dir": str(self.root / "cp"),
+                "rpc_listen": f"{self.rpc_host}:{self.rpc_port}",
+                "admin_listen": f"127.0.0.1:{self.admin_port}",
+                "heartbeat_interval_s": self.heartbeat_interval_s,
+                "tls": {
+                    "ca": str(self.pki / "ca.crt"),
+                    "cert": str(self.pki / "server.crt"),
+                    "key": str(self.pki / "server.key"),
+                },
+            },
+        )
+        for node in nodes:
+            self.write_agent_config(node)
+
+    def write_agent_config(self, node: str, *, cert_node: str | None = None, **extra: Any) -> Path:
+        cert_node = cert_node or node
+        body = {
+            "node_id": node,
+            "servers": [f"{self.rpc_host}:{self.rpc_port}"],
+            "state_dir": str(self.root / node),
+            "reconnect_max_s": 1.0,
+            "tls": {
+                "ca": str(self.pki / "ca.crt"),
+                "cert": str(self.pki / f"agent-{cert_node}.crt"),
+                "key": str(self.pki / f"agent-{cert_node}.key"),
+            },
+            **extra,
+        }
+        return self._write(f"{node}.yaml", body)
+
+    def _write(self, name: str, body: Mapping[str, Any]) -> Path:
+        path = self.root / name
+        # JSON is YAML: no dumper needed for a config file we generate.
+        path.write_text(json.dumps(body, indent=2) + "\n")
+        return path
+
+    def start_cp(self) -> Proc:
+        self.cp = Proc(
+            "llmgw-cp",
+            [sys.executable, "-m", "llmgw.cp", "--config", str(self.root / "server.yaml")],
+            self.root / "cp.log",
+            self.env,
+        )
+        wait_for("admin API", lambda: self._healthz(), 20)
+        return self.cp
+
+    def start_agent(self, node: str, *, env: Mapping[str, str] | None = None) -> Proc:
+        proc = Proc(
+            node,
+            [sys.executable, "-m", "llmgw.agent", "--config", str(self.root / f"{node}.yaml")],
+            self.root / f"{node}.log",
+            {**self.env, **(env or {})},
+        )
+        self.agents[node] = proc
+        return proc
+
+    def _healthz(self) -> bool:
+        import httpx
+
+        return httpx.get(self.admin_url + "/healthz", timeout=2).status_code == 200
+
+    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = {**self.env, "LLMGW_ADMIN_URL": self.admin_url, "LLMGW_ADMIN_KEY": self.admin_key}
+        done = subprocess.run(
+            [sys.executable, "-m", "llmgw", "ctl", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=30,
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(f"llmgw ctl {' '.join(args)}: rc={done.returncode}\n{done.stderr}")
+        return done
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        data = json.loads(self.ctl("nodes", "--json").stdout)
+        return {n["node_id"]: n for n in data["nodes"]}
+
+    def states(self) -> dict[str, str]:
+        return {k: v["state"] for k, v in self.nodes().items()}
+
+    def wait_states(self, want: Mapping[str, str], timeout: float) -> dict[str, str]:
+        def check() -> dict[str, str] | None:
+            states = self.states()
+            return states if all(states.get(k) == v for k, v in want.items()) else None
+
+        return dict(wait_for(f"nodes {dict(want)}", check, timeout))
+
+    def stop_all(self) -> None:
+        for proc in [*self.agents.values(), *([self.cp] if self.cp else [])]:
+            if proc.alive():
+                proc.terminate()

@@ -1,0 +1,219 @@
+@0x84182cf06b396eb0;
+# The wire between llmgw-agent and llmgw-cp.
+#
+# Structs mirror the attrs classes in llmgw/model.py field for field
+# (snake_case there, camelCase here); llmgw/rpc/_codec.py converts by name.
+#
+# Absent is not zero: a number that can be unknown is a pointer to an Opt*
+# struct, null when unknown; text and lists that can be unknown are null
+# pointers. An agent older than a field leaves it null, which reads as unknown.
+# Add fields only at the end of a struct, with the next ordinal; never reuse one.
+
+struct OptI64 { v @0 :Int64; }
+struct OptF64 { v @0 :Float64; }
+
+# --- Hardware inventory ---------------------------------------------------------
+
+struct Gpu {
+  index @0 :Int32;
+  uuid @1 :Text;
+  name @2 :Text;
+  gpuClass @3 :Text;
+  pciBusId @4 :Text;
+  memoryTotalMib @5 :OptI64;
+  memoryUsedMib @6 :OptI64;
+  computeCapability @7 :Text;
+  eccUncorrected @8 :OptI64;
+  utilizationPct @9 :OptF64;
+  foreignMemoryMib @10 :OptI64;
+  numaNode @11 :OptI64;
+  cpuAffinity @12 :Text;
+}
+
+struct NvLink { a @0 :Int32; b @1 :Int32; links @2 :Int32; }
+
+struct NicDistance { gpu @0 :Int32; nic @1 :Text; distance @2 :Text; }
+
+struct Topology {
+  nvlinks @0 :List(NvLink);
+  nicDistances @1 :List(NicDistance);
+}
+
+struct IbPort {
+  number @0 :Int32;
+  state @1 :Text;
+  physState @2 :Text;
+  rateGbps @3 :OptF64;
+  linkLayer @4 :Text;
+}
+
+struct IbAdapter {
+  name @0 :Text;
+  ports @1 :List(IbPort);
+  hcaType @2 :Text;
+  fwVer @3 :Text;
+}
+
+struct Fabric {
+  name @0 :Text;
+  adapters @1 :List(Text);
+  rateGbps @2 :OptF64;
+}
+
+struct Host {
+  hostname @0 :Text;
+  osId @1 :Text;
+  osLike @2 :List(Text);
+  osVersion @3 :Text;
+  arch @4 :Text;
+  cpuModel @5 :Text;
+  cpuCount @6 :OptI64;
+  cpuFlags @7 :List(Text);
+  driverVersion @8 :Text;
+  cudaVersion @9 :Text;
+}
+
+struct Filesystem {
+  mount @0 :Text;
+  fstype @1 :Text;
+  paths @2 :List(Text);
+  totalBytes @3 :OptI64;
+  freeBytes @4 :OptI64;
+  shared @5 :Bool;
+}
+
+struct WeightFile { path @0 :Text; sizeBytes @1 :Int64; }
+
+struct Weights {
+  fingerprint @0 :Text;
+  files @1 :List(WeightFile);
+}
+
+struct Engine { name @0 :Text; path @1 :Text; }
+
+struct Engines { found @0 :List(Engine); }
+
+struct GpuUsage {
+  index @0 :Int32;
+  memoryUsedMib @1 :OptI64;
+  utilizationPct @2 :OptF64;
+  foreignMemoryMib @3 :OptI64;
+}
+
+struct ShardUsage {
+  shardId @0 :Text;
+  cpuCores @1 :OptF64;
+  rssBytes @2 :OptI64;
+}
+
+struct Usage {
+  memoryTotalBytes @0 :OptI64;
+  memoryAvailableBytes @1 :OptI64;
+  load1 @2 :OptF64;
+  load5 @3 :OptF64;
+  load15 @4 :OptF64;
+  cpuUtilPct @5 :OptF64;
+  gpus @6 :List(GpuUsage);
+  filesystems @7 :List(Filesystem);
+  shards @8 :List(ShardUsage);
+}
+
+struct Inventory {
+  host @0 :Host;
+  usage @1 :Usage;
+  gpus @2 :List(Gpu);          # null: could not tell; empty: no NVIDIA cards
+  topology @3 :Topology;
+  ibAdapters @4 :List(IbAdapter);
+  fabrics @5 :List(Fabric);
+  weights @6 :Weights;         # null: nothing to report
+  engines @7 :Engines;         # null: not probed; empty list: has none
+  warnings @8 :List(Text);
+}
+
+# --- Session ------------------------------------------------------------------------
+
+struct ShardReport {
+  shardId @0 :Text;
+  model @1 :Text;
+  engine @2 :Text;
+  state @3 :Text;              # starting, loading, ready, failed, stopped
+  port @4 :OptI64;
+  pids @5 :List(Int64);
+  reason @6 :Text;
+  profileFingerprint @7 :Text;
+}
+
+struct Hello {
+  nodeId @0 :Text;
+  agentVersion @1 :Text;
+  inventory @2 :Inventory;
+  shards @3 :List(ShardReport);  # everything the agent runs; empty is news
+}
+
+struct Heartbeat {
+  seq @0 :Int64;
+  usage @1 :Usage;
+  weights @2 :Weights;         # only when the fingerprint changed
+  engines @3 :Engines;         # only when changed
+  warnings @4 :List(Text);     # null: unchanged
+}
+
+struct Settings {
+  heartbeatIntervalS @0 :Float64;
+  epoch @1 :Int64;
+}
+
+struct Progress {
+  shardId @0 :Text;
+  doneBytes @1 :Int64;
+  totalBytes @2 :OptI64;
+}
+
+struct ShardSpec {
+  shardId @0 :Text;
+  model @1 :Text;
+  engine @2 :Text;
+  argv @3 :List(Text);
+  env @4 :List(EnvVar);
+  port @5 :OptI64;
+  profileFingerprint @6 :Text;
+}
+
+struct EnvVar { name @0 :Text; value @1 :Text; }
+
+struct LogLine {
+  source @0 :Text;             # stdout, stderr, or a sidecar's name
+  text @1 :Text;
+}
+
+# --- Capabilities ---------------------------------------------------------------------
+
+interface Registry {
+  # The control plane's bootstrap capability. The caller's client certificate
+  # CN must equal hello.nodeId. A standby refuses with "standby; leader is
+  # HOST:PORT" before reading the inventory.
+  register @0 (hello :Hello, agent :Agent) -> (session :NodeSession, settings :Settings);
+}
+
+interface NodeSession {
+  heartbeat @0 (beat :Heartbeat) -> ();
+  shardStatus @1 (shard :ShardReport) -> ();
+  progress @2 (progress :Progress) -> ();
+}
+
+interface Agent {
+  # Commands carry the leader's epoch; an agent refuses one older than the
+  # newest it has seen.
+  startShard @0 (epoch :Int64, spec :ShardSpec) -> (shard :ShardReport);
+  stopShard @1 (epoch :Int64, shardId :Text, graceS :Float64) -> ();
+  drain @2 (epoch :Int64, shardId :Text) -> ();
+  logs @3 (shardId :Text, lines :Int32, follow :Bool, sink :LogSink) -> (tail :List(LogLine));
+  reclaim @4 (epoch :Int64, paths :List(Text), dryRun :Bool) -> (freedBytes :Int64, refused :List(Text));
+  inventory @5 () -> (inventory :Inventory);
+  engineCheck @6 (engine :Text, argv :List(Text)) -> (missing :List(Text), warnings :List(Text));
+}
+
+interface LogSink {
+  line @0 (line :LogLine) -> ();
+  done @1 () -> ();
+}

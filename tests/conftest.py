@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.testing.cluster import LocalCluster
+
+REPO = Path(__file__).resolve().parents[1]
+# shared/ sits beside the repository, for sessions and for CI alike.
+FIXTURES = REPO.parent / "shared" / "fixtures"
+IN_CI = os.environ.get("CI") == "true"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path / "cluster")
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+def require(available: bool, reason: str) -> None:
+    """Skip locally when a real component is missing; under CI that is a failure."""
+    if available:
+        return
+    if IN_CI:
+        pytest.fail(f"required component missing under CI: {reason}")
+    pytest.skip(reason)

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_shows_two_ready_nodes_and_stops(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw.demo", "--check", "--dir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = [line.split() for line in done.stdout.splitlines() if line.startswith("demo-")]
+    assert [(row[0], row[1]) for row in table] == [("demo-a", "ready"), ("demo-b", "ready")]
+    assert "LLMGW_ADMIN_KEY" in done.stdout and "stopped" in done.stdout
+    # Nothing left running.
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "demo")], capture_output=True)
+    assert left.stdout == b""
