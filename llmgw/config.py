@@ -68,6 +68,8 @@ class AgentConfig:
     fetch_dir: Path | None = None
     fabrics: dict[str, FabricDecl] = attrs.field(factory=dict)
     sglang_python: str | None = None
+    engine_paths: dict[str, str] = attrs.field(factory=dict)  # "vllm" -> /opt/vllm/bin/vllm
+    stop_grace_s: float = 30.0
     sample_interval_s: float = 5.0
 
     @property

@@ -200,6 +200,55 @@ class ShardReport:
 
 
 @attrs.frozen
+class EnvVar:
+    name: str
+    value: str
+
+
+@attrs.frozen
+class ProcessSpec:
+    """One process of a shard: a sidecar (Ray head, ...) or the engine itself."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: tuple[EnvVar, ...] = ()  # only what llmgw adds to the agent's environment
+    role: str = "engine"  # sidecar | engine
+    wait_host: str | None = None  # before the next process starts, this must accept TCP
+    wait_port: int | None = None
+    wait_timeout_s: float = 60.0
+
+
+@attrs.frozen
+class ShardSpec:
+    """Everything an agent needs to run, and after a restart to recognise, a shard."""
+
+    shard_id: str
+    model: str
+    engine: str
+    processes: tuple[ProcessSpec, ...]
+    served_names: tuple[str, ...] = ()
+    serves_http: bool = True
+    port: int | None = None
+    health_path: str = "/health"
+    models_path: str = "/v1/models"
+    profile_fingerprint: str | None = None
+
+
+@attrs.frozen
+class LogLine:
+    source: str  # "engine/stdout", "ray-head/stderr", ...
+    text: str
+
+
+@attrs.frozen
+class FlagCheck:
+    engine: str
+    path: str | None  # the executable whose --help was read; None: not found
+    missing: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+@attrs.frozen
 class Hello:
     node_id: str
     agent_version: str
@@ -246,3 +295,4 @@ class NodeView:
     address: str | None
     agent_version: str | None
     inventory: Inventory | None
+    shards: tuple[ShardReport, ...] = ()

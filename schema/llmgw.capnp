@@ -169,21 +169,41 @@ struct Progress {
   totalBytes @2 :OptI64;
 }
 
+struct ProcessSpec {
+  name @0 :Text;
+  argv @1 :List(Text);
+  env @2 :List(EnvVar);
+  role @3 :Text;               # sidecar | engine
+  waitHost @4 :Text;           # null: start the next process at once
+  waitPort @5 :OptI64;
+  waitTimeoutS @6 :Float64;
+}
+
 struct ShardSpec {
   shardId @0 :Text;
   model @1 :Text;
   engine @2 :Text;
-  argv @3 :List(Text);
-  env @4 :List(EnvVar);
-  port @5 :OptI64;
-  profileFingerprint @6 :Text;
+  processes @3 :List(ProcessSpec);  # sidecars first, the engine last
+  servedNames @4 :List(Text);
+  servesHttp @5 :Bool;
+  port @6 :OptI64;
+  healthPath @7 :Text;
+  modelsPath @8 :Text;
+  profileFingerprint @9 :Text;
 }
 
 struct EnvVar { name @0 :Text; value @1 :Text; }
 
 struct LogLine {
-  source @0 :Text;             # stdout, stderr, or a sidecar's name
+  source @0 :Text;             # "engine/stdout", "ray-head/stderr", ...
   text @1 :Text;
+}
+
+struct FlagCheck {
+  engine @0 :Text;
+  path @1 :Text;               # null: the engine was not found
+  missing @2 :List(Text);
+  warnings @3 :List(Text);
 }
 
 # --- Capabilities ---------------------------------------------------------------------
@@ -210,7 +230,7 @@ interface Agent {
   logs @3 (shardId :Text, lines :Int32, follow :Bool, sink :LogSink) -> (tail :List(LogLine));
   reclaim @4 (epoch :Int64, paths :List(Text), dryRun :Bool) -> (freedBytes :Int64, refused :List(Text));
   inventory @5 () -> (inventory :Inventory);
-  engineCheck @6 (engine :Text, argv :List(Text)) -> (missing :List(Text), warnings :List(Text));
+  engineCheck @6 (engine :Text, argv :List(Text)) -> (check :FlagCheck);
 }
 
 interface LogSink {

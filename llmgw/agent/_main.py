@@ -14,7 +14,9 @@ import trio
 from llmgw import config, model
 from llmgw._process import run_service, setup_logging
 from llmgw.agent._node import Node
+from llmgw.agent._servant import AgentServant
 from llmgw.agent._session import AgentSession, Backoff
+from llmgw.agent._supervisor import Supervisor
 from llmgw.errors import ConfigError
 from llmgw.rpc import CapnpThread, _tls
 
@@ -76,27 +78,34 @@ def _inventory(path: Path | None, as_json: bool) -> int:
     return 0
 
 
-class AgentServant:
-    """What the agent answers to the control plane (more arrives with the supervisor)."""
-
-    def __init__(self, node: Node) -> None:
-        self._node = node
-
-    async def inventory(self) -> model.Inventory:
-        return await trio.to_thread.run_sync(self._node.collect_inventory)
-
-
 async def serve(cfg: config.AgentConfig) -> None:
     _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     tls = _tls.client_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     node = Node(cfg)
+    session: AgentSession | None = None
+
+    def on_shard_change(report: model.ShardReport) -> None:
+        if session is not None:
+            session.notify_shard(report)
+
+    supervisor = Supervisor(
+        cfg.state_dir,
+        on_change=on_shard_change,
+        engine_paths=_engine_paths(cfg),
+        grace_s=cfg.stop_grace_s,
+    )
+    node.llmgw_pids = supervisor.pids
+    node.shard_pids = supervisor.shard_pids
     session = AgentSession(
         node_id=cfg.node_id,
         addresses=cfg.addresses,
         tls=tls,
-        servant=AgentServant(node),
+        servant=AgentServant(
+            node, supervisor, engine_paths=cfg.engine_paths, sglang_python=cfg.sglang_python
+        ),
         hello_inventory=node.hello_inventory,
         heartbeat=node.heartbeat,
+        shards=supervisor.reports,
         backoff=Backoff(cfg.reconnect_initial_s, cfg.reconnect_max_s),
     )
     log.info(
@@ -105,5 +114,14 @@ async def serve(cfg: config.AgentConfig) -> None:
         ", ".join(f"{h}:{p}" for h, p in cfg.addresses),
     )
     async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+        # Adopt surviving engines before registering: the hello reports them.
+        await nursery.start(supervisor.run)
         nursery.start_soon(node.sample_forever)
         await session.run(bridge)
+
+
+def _engine_paths(cfg: config.AgentConfig) -> dict[str, str]:
+    paths = dict(cfg.engine_paths)
+    if cfg.sglang_python:
+        paths.setdefault("python3", cfg.sglang_python)
+    return paths

@@ -63,6 +63,13 @@ class AgentSession:
         self.registrations = 0
         self.connected = trio.Event()
         self._last_complaint: str | None = None
+        self._pending: dict[str, model.ShardReport] = {}
+        self._pending_event = trio.Event()
+
+    def notify_shard(self, report: model.ShardReport) -> None:
+        """A shard changed: tell the control plane now if connected, else at registration."""
+        self._pending[report.shard_id] = report
+        self._pending_event.set()
 
     def __repr__(self) -> str:
         return (
@@ -115,6 +122,7 @@ class AgentSession:
 
     async def _one_session(self, bridge: CapnpThread, host: str, port: int) -> None:
         async with bridge.connect(host, port, self._tls, agent=self._servant) as conn:  # type: ignore[arg-type]
+            self._pending.clear()
             hello = model.Hello(
                 node_id=self.node_id,
                 agent_version=__version__,
@@ -155,8 +163,18 @@ class AgentSession:
                 with trio.fail_after(max(2 * interval, 5.0)):
                     await session.heartbeat(beat)
 
+        async def push_shards() -> None:
+            while True:
+                await self._pending_event.wait()
+                self._pending_event = trio.Event()
+                while self._pending:
+                    _, report = self._pending.popitem()
+                    with trio.fail_after(max(2 * interval, 5.0)):
+                        await session.shard_status(report)
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(beat_forever)
+            nursery.start_soon(push_shards)
             await conn.closed.wait()
             nursery.cancel_scope.cancel()
         raise Disconnected(f"connection to {conn.address} lost")

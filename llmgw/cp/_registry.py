@@ -187,7 +187,7 @@ class NodeRegistry:
         if rec is None:
             return
         others = tuple(s for s in rec.shards if s.shard_id != shard.shard_id)
-        rec.shards = (*others, shard)
+        rec.shards = others if shard.state == "stopped" else (*others, shard)
 
     def tick(self) -> None:
         event = core.Tick(self._clock())
@@ -208,6 +208,7 @@ class NodeRegistry:
                 address=rec.address,
                 agent_version=rec.agent_version,
                 inventory=rec.inventory,
+                shards=rec.shards,
             )
             for rec in sorted(self._nodes.values(), key=lambda r: r.node_id)
         ]
@@ -215,3 +216,20 @@ class NodeRegistry:
     def agent(self, node_id: str) -> AgentHandle | None:
         rec = self._nodes.get(node_id)
         return rec.agent if rec is not None else None
+
+    def record(self, node_id: str) -> NodeRecord | None:
+        return self._nodes.get(node_id)
+
+    def records(self) -> list[NodeRecord]:
+        return sorted(self._nodes.values(), key=lambda r: r.node_id)
+
+    def note_shard(self, node_id: str, shard: model.ShardReport) -> None:
+        """Record what a command to the agent answered, before its status message arrives."""
+        rec = self._nodes.get(node_id)
+        if rec is not None:
+            self.on_shard_status(node_id, rec.generation, shard)
+
+    def forget_shard(self, node_id: str, shard_id: str) -> None:
+        rec = self._nodes.get(node_id)
+        if rec is not None:
+            rec.shards = tuple(s for s in rec.shards if s.shard_id != shard_id)

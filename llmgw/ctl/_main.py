@@ -37,8 +37,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     nodes = sub.add_parser("nodes", help="list the nodes and their state")
     nodes.add_argument("--json", action="store_true", help="the API's JSON, as is")
     nodes.set_defaults(func=_nodes)
+
+    shard = sub.add_parser("shard", help="start, stop and read shards on a node by hand")
+    shard_sub = shard.add_subparsers(dest="shard_command", required=True)
+    start = shard_sub.add_parser(
+        "start",
+        help="start an engine on a node: shard start NODE --engine E --model PATH [-- ARGS]",
+        epilog="Arguments after -- go to the engine as they are.",
+    )
+    start.add_argument("node")
+    start.add_argument("--engine", required=True, choices=["vllm", "sglang", "llama-server"])
+    start.add_argument("--model", required=True, help="a path on the node, or a hub id")
+    start.add_argument("--port", type=int, default=None)
+    start.add_argument("--gpus", type=int, default=None, help="cards to use (GPU engines: 1)")
+    start.add_argument("--served-name", default=None)
+    start.add_argument("--json", action="store_true")
+    start.set_defaults(func=_shard_start)
+    stop = shard_sub.add_parser("stop", help="stop a shard: SIGTERM, then SIGKILL after a grace")
+    stop.add_argument("node")
+    stop.add_argument("shard")
+    stop.add_argument("--grace", type=float, default=0.0, help="seconds (default: the agent's)")
+    stop.set_defaults(func=_shard_stop)
+    logs = shard_sub.add_parser("logs", help="the last lines of a shard's processes")
+    logs.add_argument("node")
+    logs.add_argument("shard")
+    logs.add_argument("--lines", type=int, default=40)
+    logs.set_defaults(func=_shard_logs)
+
+    check = sub.add_parser(
+        "engine-check", help="check the flags llmgw would pass against each engine's --help"
+    )
+    check.add_argument("--node", default=None)
+    check.add_argument("--engine", default=None, choices=["vllm", "sglang", "llama-server"])
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(func=_engine_check)
     _cert.register(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:  # engine arguments, untouched by our parser
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
+    args.extra = extra
     try:
         return int(args.func(args))
     except ConfigError as exc:
@@ -71,13 +111,19 @@ def _settings(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def api_get(args: argparse.Namespace, route: str) -> Any:
+    return api(args, "GET", route)
+
+
+def api(args: argparse.Namespace, method: str, route: str, body: Any = None) -> Any:
     url, key = _settings(args)
     try:
-        response = httpx.get(url + route, headers={"Authorization": f"Bearer {key}"}, timeout=10.0)
+        response = httpx.request(
+            method, url + route, headers={"Authorization": f"Bearer {key}"}, json=body, timeout=120
+        )
     except httpx.ConnectError:
         raise CtlError(f"cannot reach the control plane at {url} (connection refused)") from None
     except httpx.TimeoutException:
-        raise CtlError(f"the control plane at {url} did not answer within 10 s") from None
+        raise CtlError(f"the control plane at {url} did not answer within 120 s") from None
     except httpx.HTTPError as exc:
         raise CtlError(f"cannot talk to the control plane at {url}: {exc}") from None
     if response.status_code == 401:
@@ -89,6 +135,61 @@ def api_get(args: argparse.Namespace, route: str) -> Any:
             message = response.text[:200]
         raise CtlError(f"{route}: {response.status_code}: {message}")
     return response.json()
+
+
+def _shard_start(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"engine": args.engine, "model": args.model, "args": args.extra}
+    for key in ("port", "gpus", "served_name"):
+        if getattr(args, key) is not None:
+            body[key] = getattr(args, key)
+    data = api(args, "POST", f"/api/v1/nodes/{args.node}/shards", body)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        shard = data["shard"]
+        print(f"{shard['shard_id']}  {shard['state']}  port {shard['port']}  on {args.node}")
+    return 0
+
+
+def _shard_stop(args: argparse.Namespace) -> int:
+    grace = f"?grace={args.grace:g}" if args.grace else ""
+    api(args, "DELETE", f"/api/v1/nodes/{args.node}/shards/{args.shard}{grace}")
+    print(f"{args.shard} stopped on {args.node}")
+    return 0
+
+
+def _shard_logs(args: argparse.Namespace) -> int:
+    data = api(
+        args, "GET", f"/api/v1/nodes/{args.node}/shards/{args.shard}/logs?lines={args.lines}"
+    )
+    for line in data["lines"]:
+        print(f"{line['source']}: {line['text']}")
+    return 0
+
+
+def _engine_check(args: argparse.Namespace) -> int:
+    body = {k: v for k, v in (("node", args.node), ("engine", args.engine)) if v}
+    data = api(args, "POST", "/api/v1/engine-check", body)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    problems = 0
+    for check in data["checks"]:
+        where = f"{check['node']} {check['engine']}"
+        if check.get("error"):
+            print(f"{where}: error: {check['error']}")
+            problems += 1
+            continue
+        if check.get("path") is None:
+            print(f"{where}: not installed")
+            continue
+        missing = check.get("missing") or []
+        status = "ok" if not missing else "missing " + " ".join(missing)
+        problems += bool(missing)
+        print(f"{where} ({check['path']}): {status}")
+        for warning in check.get("warnings") or []:
+            print(f"{where}: warning: {warning}")
+    return 1 if problems else 0
 
 
 def _nodes(args: argparse.Namespace) -> int:
@@ -112,30 +213,76 @@ def _age(seconds: float | None) -> str:
 
 
 def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.0f}"
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.1f}" if n < 100 * 2**30 else f"{n / 2**30:.0f}"
+
+
+def _pair(used: int | None, total: int | None) -> str:
+    if used is None and total is None:
+        return "-"
+    return f"{_gib(used)}/{_gib(total)}"
+
+
+def _gpus(gpus: list[dict[str, Any]] | None) -> str:
+    if gpus is None:
+        return "-"  # unknown: the agent could not tell
+    if not gpus:
+        return "0"
+    counts: dict[str, int] = {}
+    for gpu in gpus:
+        counts[gpu["gpu_class"]] = counts.get(gpu["gpu_class"], 0) + 1
+    return ",".join(f"{n}x{cls}" for cls, n in sorted(counts.items()))
+
+
+def _disk(filesystems: list[dict[str, Any]]) -> str:
+    # The node's own space only: a shared filer is not this node's disk.
+    own = [f for f in filesystems if not f.get("shared")]
+    if not own or any(f.get("free_bytes") is None or f.get("total_bytes") is None for f in own):
+        return "-"
+    return f"{_gib(sum(f['free_bytes'] for f in own))}/{_gib(sum(f['total_bytes'] for f in own))}"
+
+
+def _engines(engines: dict[str, Any] | None) -> str:
+    if engines is None:
+        return "-"
+    names = sorted(e["name"] for e in engines.get("found", []))
+    return ",".join(names) or "none"
+
+
+def _warn(warnings: list[str]) -> str:
+    if not warnings:
+        return "-"
+    first = warnings[0] if len(warnings[0]) <= 60 else warnings[0][:57] + "..."
+    return first + (f" (+{len(warnings) - 1})" if len(warnings) > 1 else "")
 
 
 def format_nodes(nodes: list[dict[str, Any]], *, now: float) -> str:
     """A table; every unknown is `-`, never 0."""
-    header = ("NODE", "STATE", "SINCE", "LAST SEEN", "CPUS", "MEM GiB used/total", "REASON")
+    header = (
+        "NODE", "STATE", "SINCE", "SEEN", "GPUS", "MEM GiB used/total",
+        "DISK GiB free/total", "ENGINES", "SHARDS", "WARN",
+    )  # fmt: skip
     rows = [header]
     for n in nodes:
         inv = n.get("inventory") or {}
         usage = inv.get("usage") or {}
-        host = inv.get("host") or {}
         total, avail = usage.get("memory_total_bytes"), usage.get("memory_available_bytes")
         used = total - avail if total is not None and avail is not None else None
-        mem = f"{_gib(used)}/{_gib(total)}"
-        cpus = host.get("cpu_count")
+        shards = n.get("shards") or []
+        ready = sum(1 for s in shards if s["state"] == "ready")
         rows.append(
             (
                 n["node_id"],
                 n["state"],
                 _age(now - n["since"]),
                 _age(None if n.get("last_seen") is None else now - n["last_seen"]),
-                "-" if cpus is None else str(cpus),
-                mem,
-                n.get("state_reason") or "-",
+                _gpus(inv.get("gpus")),
+                _pair(used, total),
+                _disk(usage.get("filesystems") or []),
+                _engines(inv.get("engines")),
+                f"{ready}/{len(shards)}" if shards else "-",
+                _warn(inv.get("warnings") or []) if n["state"] == "ready" else n["state_reason"],
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

@@ -628,6 +628,53 @@ class AgentHandle(_Handle):
 
         return await bridge.run(inventory)
 
+    async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
+        bridge = self._bridge
+
+        async def start_shard() -> model.ShardReport:
+            request = bridge._cap(self._cap_id, "startShard").startShard_request()
+            request.epoch = epoch
+            _codec.encode(spec, request.init("spec"))
+            response = await request.send()
+            report: model.ShardReport = _codec.decode(model.ShardReport, response.shard)
+            return report
+
+        return await bridge.run(start_shard)
+
+    async def stop_shard(self, epoch: int, shard_id: str, grace_s: float) -> None:
+        bridge = self._bridge
+
+        async def stop_shard() -> None:
+            cap = bridge._cap(self._cap_id, "stopShard")
+            await cap.stopShard(epoch, shard_id, grace_s)
+
+        await bridge.run(stop_shard)
+
+    async def logs(self, shard_id: str, lines: int) -> list[model.LogLine]:
+        bridge = self._bridge
+
+        async def logs() -> list[model.LogLine]:
+            request = bridge._cap(self._cap_id, "logs").logs_request()
+            request.shardId = shard_id
+            request.lines = lines
+            response = await request.send()
+            return [_codec.decode(model.LogLine, line) for line in response.tail]
+
+        return await bridge.run(logs)
+
+    async def engine_check(self, engine: str, argv: tuple[str, ...]) -> model.FlagCheck:
+        bridge = self._bridge
+
+        async def engine_check() -> model.FlagCheck:
+            request = bridge._cap(self._cap_id, "engineCheck").engineCheck_request()
+            request.engine = engine
+            request.argv = list(argv)
+            response = await request.send()
+            check: model.FlagCheck = _codec.decode(model.FlagCheck, response.check)
+            return check
+
+        return await bridge.run(engine_check)
+
     async def call_unimplemented(self, method: str) -> None:
         """Call a declared method with empty arguments (tests the "not implemented" path)."""
         bridge = self._bridge
@@ -720,19 +767,27 @@ class _AgentImpl(schema.Agent.Server):  # type: ignore[misc]
         _codec.encode(inventory, context.results.init("inventory"))
 
     async def startShard_context(self, context: Any) -> None:
-        await self._call("start_shard")
+        spec = _codec.decode(model.ShardSpec, context.params.spec)
+        report = await self._call("start_shard", context.params.epoch, spec)
+        _codec.encode(report, context.results.init("shard"))
 
     async def stopShard_context(self, context: Any) -> None:
-        await self._call("stop_shard")
+        params = context.params
+        await self._call("stop_shard", params.epoch, params.shardId, params.graceS)
 
     async def drain_context(self, context: Any) -> None:
         await self._call("drain")
 
     async def logs_context(self, context: Any) -> None:
-        await self._call("logs")
+        lines = await self._call("logs", context.params.shardId, context.params.lines)
+        tail = context.results.init("tail", len(lines))
+        for i, line in enumerate(lines):
+            _codec.encode(line, tail[i])
 
     async def reclaim_context(self, context: Any) -> None:
         await self._call("reclaim")
 
     async def engineCheck_context(self, context: Any) -> None:
-        await self._call("engine_check")
+        argv = tuple(context.params.argv)
+        check = await self._call("engine_check", context.params.engine, argv)
+        _codec.encode(check, context.results.init("check"))

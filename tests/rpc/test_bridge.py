@@ -115,8 +115,8 @@ async def test_register_heartbeat_and_call_back(pki: Path) -> None:
             assert registry.session.beats == [model.Heartbeat(seq=3, usage=model.Usage(load1=1.5))]
             # The control plane calls back into the agent over the same connection.
             assert await registry.agents[0].inventory() == FULL
-            with pytest.raises(NotImplementedRemotely, match=r"startShard|start_shard"):
-                await registry.agents[0].call_unimplemented("startShard")
+            with pytest.raises(NotImplementedRemotely, match=r"reclaim"):
+                await registry.agents[0].call_unimplemented("reclaim")
         # The agent closed: the server side learns it, and its capabilities break.
         with trio.fail_after(5):
             await registry.peers[0].closed.wait()

@@ -1,0 +1,187 @@
+"""Fuzz targets for every parser of outside input: each must parse or raise ParseError.
+
+Seeds are samples the parser must read (error outputs are tested elsewhere).
+Each target is fed the real samples in shared/fixtures whole, cut at every
+length (the way h11's fuzz/afl-server.py feeds a connection byte by byte), and
+mutated at random by hypothesis (characters inserted, deleted, replaced,
+lines duplicated or dropped), plus arbitrary text. Anything other than a value
+or `llmgw.errors.ParseError` is a bug.
+
+Run longer than the test suite does:
+
+    .venv/bin/python fuzz/targets.py [TARGET ...] [--seconds 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmgw.agent import discovery as d
+from llmgw.errors import ParseError
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+
+
+@attrs.frozen
+class Target:
+    name: str
+    parse: Callable[[str], object]
+    seeds: tuple[str, ...]
+
+
+def _fixtures(*patterns: str) -> tuple[str, ...]:
+    texts: list[str] = []
+    for pattern in patterns:
+        texts.extend(p.read_text() for p in sorted(FIXTURES.glob(pattern)) if p.is_file())
+    return tuple(texts)
+
+
+def _sysfs_values(name: str) -> tuple[str, ...]:
+    root = FIXTURES / "sysfs-infiniband-h100-ndr400-plus-bf3-roce-bond"
+    return tuple(sorted({p.read_text() for p in root.glob(f"*/ports/*/{name}")}))
+
+
+def _gpu_csv_noheader(text: str) -> object:
+    return d.parse_gpu_csv(text, d.GPU_QUERY_FIELDS)
+
+
+def _smi_csv_fields(text: str) -> object:
+    # The noheader sample's query: memory.total,memory.free,... (7 fields).
+    return d.parse_smi_csv(text, [f"field{i}" for i in range(7)])
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target(
+            "gpu_csv",
+            _gpu_csv_noheader,
+            (
+                *_fixtures("csv-h100-*", "csv-l40s-*"),
+                "0, GPU-a, NVIDIA H100 80GB HBM3, 00000000:18:00.0, 81559, 10, 9.0, 0, 37\n"
+                "1, GPU-b, NVIDIA H100 80GB HBM3, 00000000:2A:00.0, 81559, 0, 9.0, [N/A]\n",
+            ),
+        ),
+        Target("smi_csv", d.parse_smi_csv, _fixtures("csv-[!n]*")),
+        Target("smi_csv_fields", _smi_csv_fields, _fixtures("csv-noheader-*", "csv-gtx650-*")),
+        Target(
+            "compute_apps",
+            d.parse_compute_apps,
+            (*_fixtures("csv-compute-apps-*"), "GPU-a, 100, 2048\nGPU-b, 200, [N/A]\n"),
+        ),
+        Target("smi_versions", d.parse_smi_versions, _fixtures("smi-[!e]*", "q-*")),
+        Target("topo", d.parse_topo, _fixtures("topo-*")),
+        Target("ib_state", d.parse_ib_state, (*_sysfs_values("state"), "2: INIT\n")),
+        Target("ib_phys_state", d.parse_ib_phys_state, _sysfs_values("phys_state")),
+        Target("ib_rate", d.parse_ib_rate, (*_sysfs_values("rate"), "2.5 Gb/sec (1X SDR)\n")),
+        Target("ibstatus", d.parse_ibstatus, _fixtures("ib-ibstatus-*")),
+        Target("cpuinfo", d.parse_cpuinfo, _fixtures("cpu-proc-cpuinfo-*")),
+        Target("lscpu", d.parse_lscpu, _fixtures("cpu-lscpu-*")),
+        Target("os_release", d.parse_os_release, _fixtures("osrelease-*")),
+        Target(
+            "meminfo",
+            d.parse_meminfo,
+            ("MemTotal:       16318108 kB\nMemFree: 1 kB\nMemAvailable:   12000000 kB\n",),
+        ),
+        Target("loadavg", d.parse_loadavg, ("0.52 0.58 0.59 1/467 12345\n",)),
+        Target("proc_stat", d.parse_proc_stat, ("cpu  10 0 5 800 3 0 1 0 0 0\ncpu0 1 2 3 4\n",)),
+        Target("mountinfo", d.parse_mountinfo, _fixtures("mounts-nfs-*")),
+        Target("mount_output", d.parse_mount_output, _fixtures("mounts-lustre-*")),
+    )
+}
+
+
+def check(target: Target, text: str) -> None:
+    """The property: a value, or ParseError. Anything else propagates and fails."""
+    with contextlib.suppress(ParseError):
+        target.parse(text)
+
+
+def check_prefixes(target: Target) -> int:
+    """Every seed cut at every length; returns how many inputs were tried."""
+    n = 0
+    for seed in target.seeds:
+        for i in range(len(seed) + 1):
+            check(target, seed[:i])
+            n += 1
+    return n
+
+
+_ALPHABET = st.sampled_from(list(" \t\n\r,:;=\"'[]()/-_.%0123456789XNVGPUxabcMiB#\\\x00é²"))
+
+
+def _mutate(seed: str, edits: list[tuple[int, int, str]]) -> str:
+    text = seed
+    for pos, op, chunk in edits:
+        i = pos % (len(text) + 1)
+        if op == 0:  # insert
+            text = text[:i] + chunk + text[i:]
+        elif op == 1:  # delete
+            text = text[:i] + text[i + len(chunk) + 1 :]
+        elif op == 2:  # replace
+            text = text[:i] + chunk + text[i + len(chunk) :]
+        else:  # duplicate or drop a line
+            lines = text.splitlines(keepends=True)
+            if lines:
+                j = pos % len(lines)
+                lines[j : j + 1] = [lines[j]] * (op - 3) if op < 6 else []
+                text = "".join(lines)
+    return text
+
+
+def inputs(target: Target) -> st.SearchStrategy[str]:
+    seed = st.sampled_from(target.seeds)
+    cut = st.tuples(seed, st.integers(0, 1 << 20)).map(lambda t: t[0][: t[1] % (len(t[0]) + 1)])
+    edit = st.tuples(st.integers(0, 1 << 20), st.integers(0, 6), st.text(_ALPHABET, max_size=4))
+    mutated = st.tuples(seed, st.lists(edit, min_size=1, max_size=6)).map(lambda t: _mutate(*t))
+    noise = st.one_of(
+        st.text(_ALPHABET, max_size=200),
+        st.binary(max_size=200).map(lambda b: b.decode("utf-8", "replace")),
+    )
+    return st.one_of(seed, cut, mutated, mutated, noise)
+
+
+def fuzz(target: Target, max_examples: int, *, seed: int | None = None) -> None:
+    """Run hypothesis on one target for `max_examples` inputs."""
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=seed is not None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(inputs(target))
+    def run(text: str) -> None:
+        check(target, text)
+
+    run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*", help=f"default: all of {', '.join(TARGETS)}")
+    parser.add_argument("--seconds", type=float, default=30.0, help="per target")
+    args = parser.parse_args(argv)
+    for name in args.targets or list(TARGETS):
+        target = TARGETS[name]
+        print(f"{name}: {check_prefixes(target)} prefixes", flush=True)
+        start, runs = time.monotonic(), 0
+        while time.monotonic() - start < args.seconds:
+            fuzz(target, 500)
+            runs += 500
+        print(f"{name}: {runs} random inputs, no failure", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""What the agent answers on its `Agent` capability."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+import trio
+
+from llmgw import engines, model
+from llmgw.agent._node import Node
+from llmgw.agent._supervisor import Supervisor
+from llmgw.errors import UsageError
+
+log = logging.getLogger("llmgw.agent")
+
+
+class StaleEpoch(UsageError):
+    """A command from a control plane that is no longer the leader."""
+
+
+class AgentServant:
+    def __init__(
+        self,
+        node: Node,
+        supervisor: Supervisor,
+        *,
+        engine_paths: dict[str, str] | None = None,
+        sglang_python: str | None = None,
+    ) -> None:
+        self._node = node
+        self._supervisor = supervisor
+        self._engine_paths = dict(engine_paths or {})
+        if sglang_python:
+            self._engine_paths.setdefault("python3", sglang_python)
+        self.newest_epoch = 0
+
+    def _fence(self, epoch: int) -> None:
+        if epoch < self.newest_epoch:
+            raise StaleEpoch(
+                f"refused: command from epoch {epoch}, but epoch {self.newest_epoch} "
+                "has been seen (it came from a control plane that is no longer the leader)"
+            )
+        self.newest_epoch = epoch
+
+    async def inventory(self) -> model.Inventory:
+        return await trio.to_thread.run_sync(self._node.collect_inventory)
+
+    async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
+        self._fence(epoch)
+        return await self._supervisor.start(spec)
+
+    async def stop_shard(self, epoch: int, shard_id: str, grace_s: float) -> None:
+        self._fence(epoch)
+        await self._supervisor.stop(shard_id, grace_s if grace_s > 0 else None)
+
+    async def logs(self, shard_id: str, lines: int) -> list[model.LogLine]:
+        return self._supervisor.tail(shard_id, max(1, min(lines, 1000)))
+
+    async def engine_check(self, engine: str, argv: Sequence[str]) -> model.FlagCheck:
+        return await trio.to_thread.run_sync(self._engine_check, engine, tuple(argv))
+
+    def _engine_check(self, engine: str, argv: tuple[str, ...]) -> model.FlagCheck:
+        if engine not in engines.ENGINES:
+            raise UsageError(f"unknown engine {engine!r}; known: {', '.join(engines.ENGINES)}")
+        commands = engines.help_commands(engine)
+        path = None
+        help_text = ""
+        for command in commands:
+            exe = self._engine_paths.get(command[0]) or shutil.which(command[0])
+            if exe is None:
+                continue
+            path = exe
+            try:
+                done = subprocess.run(
+                    [exe, *command[1:]], capture_output=True, text=True, timeout=60
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                return model.FlagCheck(engine, exe, warnings=(f"running --help failed: {exc}",))
+            if done.returncode == 0 and done.stdout.strip():
+                help_text = done.stdout
+                break
+        if path is None:
+            return model.FlagCheck(engine, None, warnings=(f"{engine} is not installed here",))
+        if not help_text:
+            return model.FlagCheck(engine, path, warnings=("--help printed nothing usable",))
+        result = engines.check_flags(help_text, argv)
+        return model.FlagCheck(engine, path, tuple(result.missing), tuple(result.warnings))

@@ -1,0 +1,583 @@
+"""The supervisor: runs shards, and never loses or orphans an engine.
+
+A shard is a trio task; each of its processes is watched by a task inside it.
+Every process runs in its own process group (its own session), with its
+output going to files in the shard's state directory, not to pipes: an engine
+must outlive a `kill -9` of the agent, and a pipe to a dead agent would kill
+it on its next write.
+
+The full spec, the pids and their start times are written to the state
+directory before anything else happens, so a restarted agent adopts every
+live engine it can identify (pid, start time and command line all matching),
+health-checks the adopted ones, and kills an engine it cannot describe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from llmgw import config, model
+from llmgw.agent import _procfs
+from llmgw.errors import LlmgwError, UsageError
+
+log = logging.getLogger("llmgw.agent.supervisor")
+
+TAIL_LINES = 40
+LOG_LIMIT_BYTES = 64 << 20  # an engine's log is cut back to its tail beyond this
+_SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class ShardError(LlmgwError):
+    """A shard could not be started or stopped; the message says why."""
+
+
+@attrs.define
+class ProcRecord:
+    name: str
+    role: str
+    argv: list[str]
+    pid: int
+    start_time: int
+    own: bool = False  # our child (False: adopted from an earlier agent)
+    exit_code: int | None = None
+
+    def poll(self, proc: Path) -> bool:
+        """Is it still running? Reaps our own child and records its exit code."""
+        if self.exit_code is not None:
+            return False
+        if self.own:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.own = False  # reaped elsewhere; fall back to /proc
+            else:
+                if pid == 0:
+                    return True
+                self.exit_code = os.waitstatus_to_exitcode(status)
+                return False
+        return _procfs.check(self.pid, self.start_time, self.argv, proc) is _procfs.Liveness.ALIVE
+
+
+@attrs.define(eq=False)
+class Shard:
+    spec: model.ShardSpec
+    dir: Path
+    state: str = "starting"
+    reason: str | None = None
+    procs: list[ProcRecord] = attrs.field(factory=list)
+    stopping: bool = False
+    adopted: bool = False
+    done: trio.Event = attrs.field(factory=trio.Event)
+    scope: trio.CancelScope | None = None
+
+    def report(self) -> model.ShardReport:
+        return model.ShardReport(
+            shard_id=self.spec.shard_id,
+            model=self.spec.model,
+            engine=self.spec.engine,
+            state=self.state,
+            port=self.spec.port,
+            pids=tuple(p.pid for p in self.procs),
+            reason=self.reason,
+            profile_fingerprint=self.spec.profile_fingerprint,
+        )
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode(errors="replace").splitlines()[-lines:]
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError as exc:
+        log.warning("cannot signal process group %d: %s", pid, exc)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        on_change: Callable[[model.ShardReport], None] = lambda report: None,
+        engine_paths: Mapping[str, str] | None = None,
+        grace_s: float = 10.0,
+        health_interval_s: float = 1.0,
+        proc: Path = _procfs.PROC,
+    ) -> None:
+        self.state_dir = state_dir
+        self.shards_dir = state_dir / "shards"
+        self._on_change = on_change
+        self._engine_paths = dict(engine_paths or {})
+        self.grace_s = grace_s
+        self.health_interval_s = health_interval_s
+        self._proc = proc
+        self._owner = str(state_dir.resolve())
+        self._shards: dict[str, Shard] = {}
+        self._nursery: trio.Nursery | None = None
+
+    def __repr__(self) -> str:
+        states = {s.spec.shard_id: s.state for s in self._shards.values()}
+        return f"<Supervisor {self.state_dir} {states}>"
+
+    def statistics(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for shard in self._shards.values():
+            counts[shard.state] = counts.get(shard.state, 0) + 1
+        return counts
+
+    # lifecycle ------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Adopt what a previous agent left running, then supervise until cancelled.
+
+        Cancelling this leaves every engine running: only `stop` ends a shard.
+        """
+        self.shards_dir.mkdir(parents=True, exist_ok=True)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._recover()
+            task_status.started()
+            await trio.sleep_forever()
+
+    def reports(self) -> tuple[model.ShardReport, ...]:
+        return tuple(s.report() for s in self._shards.values())
+
+    def pids(self) -> set[int]:
+        return {p.pid for s in self._shards.values() for p in s.procs}
+
+    def shard_pids(self) -> dict[str, set[int]]:
+        return {
+            shard_id: {p.pid for p in s.procs}
+            for shard_id, s in self._shards.items()
+            if s.state not in ("failed", "stopped")
+        }
+
+    def _set(self, shard: Shard, state: str, reason: str | None = None) -> None:
+        if shard.state == state and shard.reason == reason:
+            return
+        log.info(
+            "shard %s: %s -> %s%s",
+            shard.spec.shard_id,
+            shard.state,
+            state,
+            f" ({reason.splitlines()[0]})" if reason else "",
+        )
+        shard.state, shard.reason = state, reason
+        if state not in ("stopped",):
+            self._save_run(shard)
+        self._on_change(shard.report())
+
+    def _save_run(self, shard: Shard) -> None:
+        if not shard.dir.exists():
+            return
+        _write_json(
+            shard.dir / "run.json",
+            {
+                "state": shard.state,
+                "reason": shard.reason,
+                "procs": [
+                    {
+                        "name": p.name,
+                        "role": p.role,
+                        "argv": p.argv,
+                        "pid": p.pid,
+                        "start_time": p.start_time,
+                    }
+                    for p in shard.procs
+                ],
+            },
+        )
+
+    # start ---------------------------------------------------------------------------
+
+    async def start(self, spec: model.ShardSpec) -> model.ShardReport:
+        if not _SHARD_ID.match(spec.shard_id):
+            raise UsageError(f"shard id {spec.shard_id!r}: use letters, digits, '.', '_', '-'")
+        if not spec.processes or spec.processes[-1].role != "engine":
+            raise UsageError(f"shard {spec.shard_id}: the last process must be the engine")
+        existing = self._shards.get(spec.shard_id)
+        if existing is not None and existing.state not in ("failed", "stopped"):
+            if existing.spec == spec:
+                return existing.report()  # a retried command: already running
+            raise UsageError(f"shard {spec.shard_id} is already {existing.state} with another spec")
+        if existing is not None:
+            await self._forget(existing)
+        assert self._nursery is not None, "Supervisor.run is not running"
+        shard_dir = self.shards_dir / spec.shard_id
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        # The spec is on disk before the first process exists: a crash right
+        # after spawning still leaves a describable engine.
+        _write_json(shard_dir / "spec.json", config.unstructure(spec))
+        shard = Shard(spec=spec, dir=shard_dir)
+        self._shards[spec.shard_id] = shard
+        self._save_run(shard)
+        self._on_change(shard.report())
+        self._nursery.start_soon(self._supervise, shard, True)
+        return shard.report()
+
+    def _env(self, spec: model.ShardSpec, proc: model.ProcessSpec) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({v.name: v.value for v in proc.env})
+        env[_procfs.SHARD_ENV] = spec.shard_id
+        env[_procfs.OWNER_ENV] = self._owner
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _resolve(self, argv: Sequence[str]) -> list[str]:
+        argv = list(argv)
+        if argv and argv[0] in self._engine_paths:
+            argv[0] = self._engine_paths[argv[0]]
+        return argv
+
+    async def _spawn(self, shard: Shard, spec: model.ProcessSpec) -> ProcRecord:
+        argv = self._resolve(spec.argv)
+        out = shard.dir / f"{spec.name}.stdout.log"
+        err = shard.dir / f"{spec.name}.stderr.log"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        # posix_spawn, not subprocess: a Popen object complains when it is
+        # collected while its process runs, and outliving the agent is the point.
+        # setsid: its own session and process group, signalled as a whole.
+        # Files, not pipes: a pipe to a dead agent would kill the engine.
+        try:
+            pid = os.posix_spawnp(  # noqa: ASYNC221 - returns once the exec happened
+                argv[0],
+                argv,
+                self._env(shard.spec, spec),
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                    (os.POSIX_SPAWN_OPEN, 1, str(out), flags, 0o644),
+                    (os.POSIX_SPAWN_OPEN, 2, str(err), flags, 0o644),
+                ],
+                setsid=True,
+            )
+        except FileNotFoundError:
+            raise ShardError(
+                f"{spec.name}: executable {argv[0]!r} not found"
+                + ("" if "/" in argv[0] else " on PATH (set engine_paths in agent.yaml)")
+            ) from None
+        except PermissionError:
+            raise ShardError(f"{spec.name}: {argv[0]!r} is not executable") from None
+        started = _procfs.start_time(pid, self._proc)
+        record = ProcRecord(spec.name, spec.role, argv, pid, started or 0, own=True)
+        shard.procs.append(record)
+        self._save_run(shard)
+        log.info("shard %s: started %s (pid %d)", shard.spec.shard_id, spec.name, pid)
+        return record
+
+    async def _wait_port(self, shard: Shard, spec: model.ProcessSpec) -> None:
+        assert spec.wait_port is not None
+        host = spec.wait_host or "127.0.0.1"
+        with trio.move_on_after(spec.wait_timeout_s):
+            while True:
+                try:
+                    stream = await trio.open_tcp_stream(host, spec.wait_port)
+                except OSError:
+                    await trio.sleep(0.2)
+                    continue
+                await stream.aclose()
+                return
+        raise ShardError(
+            f"{spec.name} did not open {host}:{spec.wait_port} within {spec.wait_timeout_s:g} s"
+        )
+
+    async def _launch(self, shard: Shard) -> None:
+        for spec in shard.spec.processes:
+            await self._spawn(shard, spec)
+            if spec.wait_port is not None:
+                await self._wait_port(shard, spec)
+        self._set(shard, "loading")
+
+    # supervise -----------------------------------------------------------------------
+
+    async def _supervise(self, shard: Shard, launch: bool) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                shard.scope = nursery.cancel_scope
+                if shard.stopping:
+                    nursery.cancel_scope.cancel()
+                if launch:
+                    # Watch each process as soon as it exists, while later ones start.
+                    nursery.start_soon(self._launch_and_watch, shard, nursery)
+                else:
+                    for record in shard.procs:
+                        nursery.start_soon(self._watch, shard, record, nursery)
+                    nursery.start_soon(self._health, shard)
+        except ShardError as exc:
+            await self._fail(shard, str(exc))
+        except BaseExceptionGroup as group:
+            errors = [e for e in group.exceptions if isinstance(e, ShardError)]
+            if not errors or len(errors) != len(group.exceptions):
+                raise
+            await self._fail(shard, str(errors[0]))
+        finally:
+            shard.done.set()
+
+    async def _launch_and_watch(self, shard: Shard, nursery: trio.Nursery) -> None:
+        for spec in shard.spec.processes:
+            if shard.stopping:
+                return
+            record = await self._spawn(shard, spec)
+            nursery.start_soon(self._watch, shard, record, nursery)
+            if spec.wait_port is not None:
+                await self._wait_port(shard, spec)
+        self._set(shard, "loading")
+        nursery.start_soon(self._health, shard)
+
+    async def _watch(self, shard: Shard, record: ProcRecord, nursery: trio.Nursery) -> None:
+        # Neither a child nor an adopted process has an event to wait on that
+        # survives our restart; 0.2 s of polling is cheap and uniform.
+        while record.poll(self._proc):  # noqa: ASYNC110
+            await trio.sleep(0.2)
+        code = record.exit_code
+        if shard.stopping:
+            return
+        how = f"exited with code {code}" if code is not None else "is gone"
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        reason = f"{record.name} (pid {record.pid}) {how}"
+        last = self._last_lines(shard, record.name, 10)
+        if last:
+            reason += "; last output:\n" + "\n".join(last)
+        nursery.cancel_scope.cancel()
+        await self._fail(shard, reason)
+
+    def _last_lines(self, shard: Shard, name: str, lines: int) -> list[str]:
+        out: list[str] = []
+        for source in ("stderr", "stdout"):
+            path = shard.dir / f"{name}.{source}.log"
+            out += [f"[{source}] {line}" for line in _tail(path, lines)]
+        return out[-lines:]
+
+    async def _health(self, shard: Shard) -> None:
+        spec = shard.spec
+        if not spec.serves_http or spec.port is None:
+            # A rank that serves no HTTP is judged by staying alive.
+            await trio.sleep(2.0)
+            self._set(shard, "ready")
+            return
+        base = f"http://127.0.0.1:{spec.port}"
+        names = set(spec.served_names) | {spec.model}
+        async with httpx.AsyncClient(base_url=base, timeout=5.0) as client:
+            while True:
+                if await self._healthy(client, spec, names):
+                    self._set(shard, "ready")
+                    interval = max(5.0, self.health_interval_s)
+                else:
+                    interval = self.health_interval_s
+                self._cut_logs(shard)
+                await trio.sleep(interval)
+
+    async def _healthy(
+        self, client: httpx.AsyncClient, spec: model.ShardSpec, names: set[str]
+    ) -> bool:
+        try:
+            health = await client.get(spec.health_path)
+            if health.status_code != 200:
+                return False
+            listed = await client.get(spec.models_path)
+            ids = {m.get("id") for m in listed.json().get("data", [])}
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False
+        return bool(ids & names)
+
+    def _cut_logs(self, shard: Shard) -> None:
+        for path in shard.dir.glob("*.log"):
+            try:
+                if path.stat().st_size > LOG_LIMIT_BYTES:
+                    keep = "\n".join(_tail(path, 200)) + "\n"
+                    # O_APPEND writers carry on at the new end after a truncate.
+                    with open(path, "r+") as f:
+                        f.truncate(0)
+                        f.write(f"[llmgw: log cut back to its last lines]\n{keep}")
+            except OSError:
+                pass
+
+    async def _fail(self, shard: Shard, reason: str) -> None:
+        if shard.stopping or shard.state == "failed":
+            return
+        with trio.CancelScope(shield=True):
+            await self._terminate(shard, self.grace_s)
+        self._set(shard, "failed", reason)
+
+    async def _terminate(self, shard: Shard, grace_s: float) -> None:
+        """SIGTERM every group, SIGKILL what is left after the grace; nothing stays behind."""
+        live = [p for p in shard.procs if self._alive(p)]
+        for record in reversed(live):
+            _signal_group(record.pid, signal.SIGTERM)
+        with trio.move_on_after(grace_s):
+            while any(self._alive(p) for p in live):  # noqa: ASYNC110 - /proc has no event
+                await trio.sleep(0.1)
+        for record in live:
+            if self._alive(record):
+                log.warning(
+                    "shard %s: %s (pid %d) ignored SIGTERM for %g s; killing it",
+                    shard.spec.shard_id,
+                    record.name,
+                    record.pid,
+                    grace_s,
+                )
+            # The group may hold children even when the leader has exited.
+            _signal_group(record.pid, signal.SIGKILL)
+        with trio.move_on_after(5):
+            while any(self._alive(p) for p in live):  # noqa: ASYNC110 - reaps our children
+                await trio.sleep(0.05)
+
+    def _alive(self, record: ProcRecord) -> bool:
+        return record.poll(self._proc)
+
+    # stop ----------------------------------------------------------------------------
+
+    async def stop(self, shard_id: str, grace_s: float | None = None) -> model.ShardReport:
+        shard = self._shards.get(shard_id)
+        if shard is None:
+            raise UsageError(f"no shard {shard_id!r} on this node")
+        shard.stopping = True
+        with trio.CancelScope(shield=True):
+            await self._terminate(shard, self.grace_s if grace_s is None else grace_s)
+            if shard.scope is not None:
+                shard.scope.cancel()
+            with trio.move_on_after(10):
+                await shard.done.wait()
+        self._set(shard, "stopped")
+        await self._forget(shard)
+        return shard.report()
+
+    async def _forget(self, shard: Shard) -> None:
+        self._shards.pop(shard.spec.shard_id, None)
+        shutil.rmtree(shard.dir, ignore_errors=True)
+
+    def tail(self, shard_id: str, lines: int = TAIL_LINES) -> list[model.LogLine]:
+        shard = self._shards.get(shard_id)
+        if shard is None:
+            raise UsageError(f"no shard {shard_id!r} on this node")
+        out = []
+        for spec in shard.spec.processes:
+            for source in ("stdout", "stderr"):
+                for line in _tail(shard.dir / f"{spec.name}.{source}.log", lines):
+                    out.append(model.LogLine(f"{spec.name}/{source}", line))
+        return out
+
+    # recovery ------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Adopt every engine that can be identified; kill the ones nothing describes."""
+        described: set[str] = set()
+        for shard_dir in sorted(p for p in self.shards_dir.iterdir() if p.is_dir()):
+            shard = self._load(shard_dir)
+            if shard is None:
+                continue
+            described.add(shard.spec.shard_id)
+            self._shards[shard.spec.shard_id] = shard
+            assert self._nursery is not None
+            if shard.state == "failed":
+                continue
+            self._nursery.start_soon(self._supervise, shard, False)
+        # Processes llmgw started for this agent whose shard nobody can describe.
+        for pid, shard_id in _procfs.marked(self._owner, self._proc):
+            if shard_id not in described:
+                log.warning(
+                    "killing process group %d: it was started for shard %s, which has no spec",
+                    pid,
+                    shard_id,
+                )
+                _signal_group(pid, signal.SIGKILL)
+
+    def _load(self, shard_dir: Path) -> Shard | None:
+        run_path = shard_dir / "run.json"
+        try:
+            run = json.loads(run_path.read_text())
+        except (OSError, ValueError):
+            run = {"procs": []}
+        records = [
+            ProcRecord(p["name"], p["role"], list(p["argv"]), int(p["pid"]), int(p["start_time"]))
+            for p in run.get("procs", [])
+        ]
+        try:
+            spec = config.structure(
+                json.loads((shard_dir / "spec.json").read_text()),
+                model.ShardSpec,
+                str(shard_dir / "spec.json"),
+            )
+        except (OSError, ValueError, LlmgwError) as exc:
+            # Nothing can describe these processes: a process holding GPUs that
+            # nobody can describe is worse than none.
+            for record in records:
+                status = _procfs.check(record.pid, record.start_time, record.argv, self._proc)
+                if status is _procfs.Liveness.ALIVE:
+                    log.warning(
+                        "killing %s (pid %d) of shard %s: its spec is unreadable (%s)",
+                        record.name,
+                        record.pid,
+                        shard_dir.name,
+                        exc,
+                    )
+                    _signal_group(record.pid, signal.SIGKILL)
+            shutil.rmtree(shard_dir, ignore_errors=True)
+            return None
+        shard = Shard(spec=spec, dir=shard_dir, procs=records, adopted=True)
+        statuses = {r.name: _procfs.check(r.pid, r.start_time, r.argv, self._proc) for r in records}
+        dead = [r for r in records if statuses[r.name] is not _procfs.Liveness.ALIVE]
+        if not records or dead or len(records) < len(spec.processes):
+            # Part of the shard is gone: it cannot serve. Stop what is left of it
+            # (only processes proven ours), and report it failed with why.
+            why = []
+            for r in dead:
+                if statuses[r.name] is _procfs.Liveness.REUSED:
+                    why.append(
+                        f"{r.name} (pid {r.pid}) is gone; the pid now belongs to another process"
+                    )
+                else:
+                    why.append(f"{r.name} (pid {r.pid}) is gone")
+            if len(records) < len(spec.processes):
+                why.append("the agent stopped before every process had started")
+            last = [line for r in dead for line in self._last_lines(shard, r.name, 10)]
+            reason = "; ".join(why) + ("; last output:\n" + "\n".join(last) if last else "")
+            for r in records:
+                if statuses[r.name] is _procfs.Liveness.ALIVE:
+                    _signal_group(r.pid, signal.SIGKILL)
+            shard.state, shard.reason = "failed", reason
+            self._save_run(shard)
+            log.warning("shard %s: not adopted: %s", spec.shard_id, reason.splitlines()[0])
+            return shard
+        shard.state = run.get("state") if run.get("state") in ("loading", "ready") else "loading"
+        shard.reason = None
+        log.info(
+            "shard %s: adopted %s (pids %s), %s",
+            spec.shard_id,
+            spec.engine,
+            ",".join(str(r.pid) for r in records),
+            shard.state,
+        )
+        return shard

@@ -1,0 +1,788 @@
+"""Probes: what this node has, read from the driver, /proc, /sys and the disks.
+
+Each probe takes its command runner and filesystem root as parameters, so tests
+drive it with recorded output, a fake binary on PATH, or a fake tree. Probes
+block; the agent calls them from a worker thread.
+
+Absent is not zero: whatever a probe cannot tell stays None (or absent), and a
+probe that fails leaves its part unknown with a warning instead of failing the
+inventory. Memory is read first, before anything that can fail, because
+placement needs it even when every other probe breaks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import socket
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import attrs
+import psutil
+
+from llmgw.errors import ParseError
+from llmgw.model import (
+    Engine,
+    Engines,
+    Filesystem,
+    Gpu,
+    GpuUsage,
+    Host,
+    IbAdapter,
+    Inventory,
+    NvLink,
+    ShardUsage,
+    Topology,
+    Usage,
+    WeightFile,
+    Weights,
+)
+
+from ._host import (
+    CpuInfo,
+    CpuTimes,
+    LoadAvg,
+    MemInfo,
+    OsRelease,
+    cpu_util_pct,
+    cpu_warnings,
+    parse_cpuinfo,
+    parse_loadavg,
+    parse_lscpu,
+    parse_meminfo,
+    parse_os_release,
+    parse_proc_stat,
+)
+from ._ib import advertise_fabrics, read_ib_adapters
+from ._mounts import Mount, is_shared_fstype, parse_mountinfo
+from ._nvml import NvmlLoader, NvmlUnavailable, load_pynvml, read_nvml
+from ._runner import Runner, RunResult, SubprocessRunner
+from ._smi import (
+    COMPUTE_APPS_FIELDS,
+    GPU_QUERY_FIELDS,
+    GPU_REQUIRED_FIELDS,
+    ComputeApp,
+    foreign_memory_mib,
+    invalid_query_field,
+    parse_compute_apps,
+    parse_gpu_csv,
+    parse_smi_versions,
+)
+from ._topo import parse_topo
+
+logger = logging.getLogger("llmgw.agent.discovery")
+
+SMI_TIMEOUT_S = 30.0
+# Importing sglang imports torch: tens of seconds on a cold disk.
+SGLANG_IMPORT_TIMEOUT_S = 180.0
+# Suffixes of files still being written: by llmgw's fetcher (.partial) and by
+# huggingface_hub (.incomplete).
+PARTIAL_SUFFIXES: tuple[str, ...] = (".partial", ".incomplete")
+
+T = TypeVar("T")
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+# --- GPUs ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class GpuProbe:
+    """What the GPU probe found. gpus None: could not tell; (): no NVIDIA cards."""
+
+    gpus: tuple[Gpu, ...] | None
+    topology: Topology | None = None
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    warnings: tuple[str, ...] = ()
+    source: str | None = None  # "nvml" or "nvidia-smi"
+
+
+def probe_gpus(
+    runner: Runner,
+    *,
+    nvml: NvmlLoader | None = load_pynvml,
+    llmgw_pids: Collection[int] = (),
+    topology: bool = True,
+) -> GpuProbe:
+    """The cards, through NVML when it loads, else nvidia-smi's CSV queries.
+
+    Topology comes from `nvidia-smi topo -m` after either path; NVLink pairs
+    NVML reported win over the matrix for those pairs. `nvml=None` skips NVML.
+    `topology=False` (per heartbeat) skips the matrix and the driver versions.
+    """
+    warnings: list[str] = []
+    nvml_reason: str | None = None
+    probe: GpuProbe | None = None
+    nvml_links: tuple[NvLink, ...] = ()
+    if nvml is not None:
+        try:
+            reading = read_nvml(nvml(), with_nvlinks=topology)
+        except NvmlUnavailable as e:
+            nvml_reason = str(e)
+        except Exception as e:  # the import itself: no library, a broken wheel
+            nvml_reason = f"{type(e).__name__}: {e}"
+        else:
+            found = tuple(
+                attrs.evolve(
+                    g,
+                    foreign_memory_mib=_foreign_from_apps(
+                        reading.apps.get(g.uuid), g.uuid, llmgw_pids
+                    ),
+                )
+                for g in reading.gpus
+            )
+            nvml_links = reading.nvlinks
+            probe = GpuProbe(found, None, reading.driver_version, reading.cuda_version, (), "nvml")
+    if probe is None:
+        probe = _smi_gpus(runner, llmgw_pids, versions=topology)
+        if nvml_reason is not None:
+            if probe.source is None:
+                # No NVML and no nvidia-smi: a node without an NVIDIA driver.
+                logger.info("no NVIDIA driver (NVML: %s; nvidia-smi: not found)", nvml_reason)
+            else:
+                message = f"NVML unavailable ({nvml_reason}): GPUs read with nvidia-smi"
+                # Said once per inventory; a heartbeat repeating it would flood the log.
+                logger.log(logging.WARNING if topology else logging.DEBUG, "%s", message)
+                warnings.append(message)
+    warnings.extend(probe.warnings)
+    topo: Topology | None = None
+    gpus: tuple[Gpu, ...] | None = probe.gpus
+    if topology and gpus:
+        gpus, topo, topo_warning = _topology(runner, gpus, nvml_links)
+        if topo_warning:
+            warnings.append(topo_warning)
+    return attrs.evolve(probe, gpus=gpus, topology=topo, warnings=tuple(warnings))
+
+
+def _foreign_from_apps(
+    apps: tuple[ComputeApp, ...] | None, uuid: str, llmgw_pids: Collection[int]
+) -> int | None:
+    if apps is None:
+        return None
+    return foreign_memory_mib(apps, [uuid], llmgw_pids)[uuid]
+
+
+def _smi(runner: Runner, *args: str) -> RunResult:
+    return runner(["nvidia-smi", *args], SMI_TIMEOUT_S)
+
+
+def _smi_gpus(runner: Runner, llmgw_pids: Collection[int], *, versions: bool) -> GpuProbe:
+    fields = list(GPU_QUERY_FIELDS)
+    while True:
+        query = f"--query-gpu={','.join(fields)}"
+        r = _smi(runner, query, "--format=csv,noheader,nounits")
+        if r.missing:
+            return GpuProbe(gpus=())
+        bad = invalid_query_field(r.stdout + r.stderr)
+        if r.returncode != 0 and bad is not None and bad in fields:
+            if bad in GPU_REQUIRED_FIELDS:
+                break
+            # Older drivers do not know newer fields (compute_cap before 510):
+            # ask again without it, rather than lose the cards.
+            logger.info("nvidia-smi does not know --query-gpu field %s; asking without it", bad)
+            fields.remove(bad)
+            continue
+        break
+    output = r.stdout + r.stderr
+    if "No devices were found" in output:
+        logger.info("nvidia-smi: No devices were found")
+        return GpuProbe(gpus=(), source="nvidia-smi")
+    if not r.ok:
+        message = f"nvidia-smi {query} failed ({r.describe()}): GPUs unknown"
+        logger.warning("%s", message)
+        return GpuProbe(gpus=None, warnings=(message,), source="nvidia-smi")
+    try:
+        gpus = parse_gpu_csv(r.stdout, fields, source=f"nvidia-smi {query}")
+    except ParseError as e:
+        logger.warning("%s", e)
+        return GpuProbe(gpus=None, warnings=(f"GPUs unknown: {e}",), source="nvidia-smi")
+
+    apps_query = f"--query-compute-apps={','.join(COMPUTE_APPS_FIELDS)}"
+    a = _smi(runner, apps_query, "--format=csv,noheader,nounits")
+    foreign: dict[str, int | None] = {}
+    if a.ok:
+        try:
+            apps = parse_compute_apps(a.stdout, source=f"nvidia-smi {apps_query}")
+            foreign = foreign_memory_mib(apps, [g.uuid for g in gpus], llmgw_pids)
+        except ParseError as e:
+            logger.warning("foreign GPU memory unknown: %s", e)
+    else:
+        logger.warning("nvidia-smi %s failed (%s)", apps_query, a.describe())
+    gpus = tuple(attrs.evolve(g, foreign_memory_mib=foreign.get(g.uuid)) for g in gpus)
+
+    driver = cuda = None
+    # Only the plain table prints the CUDA version; not worth a run per heartbeat.
+    v = _smi(runner) if versions else RunResult(0, "", "")
+    if versions and v.ok:
+        try:
+            found = parse_smi_versions(v.stdout)
+            driver, cuda = found.driver, found.cuda
+        except ParseError as e:
+            logger.info("driver version unknown: %s", e)
+    return GpuProbe(gpus, None, driver, cuda, (), "nvidia-smi")
+
+
+def _topology(
+    runner: Runner, gpus: tuple[Gpu, ...], nvml_links: tuple[NvLink, ...]
+) -> tuple[tuple[Gpu, ...], Topology | None, str | None]:
+    r = _smi(runner, "topo", "-m")
+    if not r.ok:
+        message = f"nvidia-smi topo -m failed ({r.describe()}): GPU topology unknown"
+        logger.warning("%s", message)
+        topo = Topology(nvlinks=nvml_links) if nvml_links else None
+        return gpus, topo, message
+    try:
+        matrix = parse_topo(r.stdout)
+    except ParseError as e:
+        logger.warning("%s", e)
+        topo = Topology(nvlinks=nvml_links) if nvml_links else None
+        return gpus, topo, f"GPU topology unknown: {e}"
+    links = {(nv.a, nv.b): nv.links for nv in matrix.topology.nvlinks}
+    links.update({(nv.a, nv.b): nv.links for nv in nvml_links})
+    topo = attrs.evolve(
+        matrix.topology, nvlinks=tuple(NvLink(a, b, n) for (a, b), n in sorted(links.items()))
+    )
+    affinity = {a.index: a for a in matrix.affinity}
+    merged = tuple(
+        attrs.evolve(
+            g,
+            numa_node=affinity[g.index].numa_node,
+            cpu_affinity=affinity[g.index].cpu_affinity,
+        )
+        if g.index in affinity
+        else g
+        for g in gpus
+    )
+    return merged, topo, None
+
+
+# --- Host --------------------------------------------------------------------------------
+
+
+def read_memory(root: Path = Path("/")) -> MemInfo | None:
+    text = _read_text(root / "proc/meminfo")
+    if text is None:
+        return None
+    try:
+        return parse_meminfo(text, source=str(root / "proc/meminfo"))
+    except ParseError as e:
+        logger.warning("%s", e)
+        return None
+
+
+def read_loadavg(root: Path = Path("/")) -> LoadAvg | None:
+    text = _read_text(root / "proc/loadavg")
+    if text is None:
+        return None
+    try:
+        return parse_loadavg(text, source=str(root / "proc/loadavg"))
+    except ParseError as e:
+        logger.warning("%s", e)
+        return None
+
+
+def read_cpu_times(root: Path = Path("/")) -> CpuTimes | None:
+    text = _read_text(root / "proc/stat")
+    if text is None:
+        return None
+    try:
+        return parse_proc_stat(text, source=str(root / "proc/stat"))
+    except ParseError as e:
+        logger.warning("%s", e)
+        return None
+
+
+def read_cpu(root: Path, runner: Runner) -> CpuInfo | None:
+    """/proc/cpuinfo, else `lscpu`; lscpu also names the architecture."""
+    cpu: CpuInfo | None = None
+    text = _read_text(root / "proc/cpuinfo")
+    if text is not None:
+        try:
+            cpu = parse_cpuinfo(text, source=str(root / "proc/cpuinfo"))
+        except ParseError as e:
+            logger.warning("%s", e)
+    if cpu is None or cpu.model is None or cpu.flags is None:
+        r = runner(["lscpu"], 10.0)
+        if r.ok:
+            try:
+                lscpu = parse_lscpu(r.stdout)
+            except ParseError as e:
+                logger.warning("%s", e)
+            else:
+                if cpu is None:
+                    return lscpu
+                return CpuInfo(
+                    model=cpu.model or lscpu.model,
+                    count=cpu.count or lscpu.count,
+                    flags=cpu.flags if cpu.flags is not None else lscpu.flags,
+                    arch=lscpu.arch,
+                    hypervisor=cpu.hypervisor if cpu.hypervisor is not None else lscpu.hypervisor,
+                )
+    return cpu
+
+
+def read_os_release(root: Path = Path("/")) -> OsRelease | None:
+    for rel in ("etc/os-release", "usr/lib/os-release"):
+        text = _read_text(root / rel)
+        if text is None:
+            continue
+        try:
+            return parse_os_release(text, source=str(root / rel))
+        except ParseError as e:
+            logger.warning("%s", e)
+            return None
+    return None
+
+
+def probe_host(
+    *, root: Path = Path("/"), runner: Runner, hostname: str | None = None
+) -> tuple[Host, tuple[str, ...]]:
+    """OS, CPU and architecture, and the warnings about them (no AVX2)."""
+    os_rel = read_os_release(root)
+    cpu = read_cpu(root, runner)
+    arch = cpu.arch if cpu is not None and cpu.arch else None
+    if arch is None and root == Path("/"):
+        arch = platform.machine() or None
+    if cpu is not None and cpu.arch is None and arch is not None:
+        cpu = attrs.evolve(cpu, arch=arch)
+    warnings = cpu_warnings(cpu) if cpu is not None else ()
+    for w in warnings:
+        logger.warning("%s", w)
+    host = Host(
+        hostname=hostname or socket.gethostname(),
+        os_id=os_rel.id if os_rel else None,
+        os_like=os_rel.id_like if os_rel else (),
+        os_version=os_rel.version_id if os_rel else None,
+        arch=arch,
+        cpu_model=cpu.model if cpu else None,
+        cpu_count=cpu.count if cpu else None,
+        cpu_flags=cpu.flags or () if cpu else (),
+    )
+    return host, warnings
+
+
+# --- Storage -------------------------------------------------------------------------------
+
+
+def read_mounts(root: Path = Path("/")) -> tuple[Mount, ...]:
+    path = root / "proc/self/mountinfo"
+    text = _read_text(path)
+    if text is None:
+        return ()
+    try:
+        return parse_mountinfo(text, source=str(path))
+    except ParseError as e:
+        logger.warning("%s", e)
+        return ()
+
+
+def _mount_point(path: str, dev: int, stat: Callable[[str], os.stat_result]) -> str:
+    # Walk up while the device stays the same: where it changes is the mount.
+    p = path
+    while p != "/":
+        parent = os.path.dirname(p)
+        try:
+            if stat(parent).st_dev != dev:
+                return p
+        except OSError:
+            return p
+        p = parent
+    return "/"
+
+
+def _mount_entry(real: str, walked: str, dev: int, mounts: Sequence[Mount]) -> Mount | None:
+    def under(m: Mount) -> bool:
+        mp = m.mount_point.rstrip("/") or "/"
+        return real == mp or real.startswith(mp if mp == "/" else mp + "/")
+
+    # Later entries shadow earlier ones at the same point, so search from the end.
+    for m in reversed(mounts):
+        if m.mount_point == walked:
+            return m
+    same_dev = [m for m in mounts if m.dev is not None and os.makedev(*m.dev) == dev and under(m)]
+    candidates = same_dev or [m for m in mounts if under(m)]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda m: len(m.mount_point))
+
+
+def probe_filesystems(
+    dirs: Iterable[str | Path],
+    mounts: Sequence[Mount] = (),
+    *,
+    stat: Callable[[str], os.stat_result] = os.stat,
+    statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+) -> tuple[Filesystem, ...]:
+    """Free and total space per filesystem holding the configured directories.
+
+    Directories are grouped by device (st_dev), so two directories on one disk
+    are one entry and its space is counted once. A directory that does not
+    exist is skipped: it holds nothing, and reporting it as full would stop
+    placement for no reason. Free space is what an unprivileged writer gets
+    (f_bavail), since the agent need not run as root.
+    """
+    groups: dict[int, tuple[str, list[str]]] = {}
+    for d in dirs:
+        path = str(d)
+        try:
+            st = stat(path)
+        except OSError as e:
+            logger.info("storage: %s skipped (%s)", path, e.strerror or e)
+            continue
+        if st.st_dev not in groups:
+            groups[st.st_dev] = (os.path.realpath(path), [])
+        if path not in groups[st.st_dev][1]:
+            groups[st.st_dev][1].append(path)
+    result: list[Filesystem] = []
+    for dev, (real, paths) in groups.items():
+        walked = _mount_point(real, dev, stat)
+        entry = _mount_entry(real, walked, dev, mounts)
+        mount = entry.mount_point if entry is not None else walked
+        fstype = entry.fstype if entry is not None else "unknown"
+        total = free = None
+        try:
+            vfs = statvfs(real)
+            total = vfs.f_blocks * vfs.f_frsize
+            free = vfs.f_bavail * vfs.f_frsize
+        except OSError as e:
+            logger.warning("storage: statvfs %s: %s", real, e)
+        result.append(
+            Filesystem(
+                mount=mount,
+                fstype=fstype,
+                paths=tuple(paths),
+                total_bytes=total,
+                free_bytes=free,
+                shared=is_shared_fstype(fstype),
+            )
+        )
+    return tuple(result)
+
+
+# --- Weights ---------------------------------------------------------------------------------
+
+
+def _is_partial(name: str) -> bool:
+    return name.endswith(PARTIAL_SUFFIXES)
+
+
+def scan_weights(dirs: Iterable[str | Path]) -> Weights:
+    """The model files under the configured directories, and a fingerprint of them.
+
+    A file still being written (`*.partial`, `*.incomplete`, or anything under
+    a directory so named) is not a model; an empty directory holds no file,
+    so it is no model either. Symbolic links to files (the Hugging Face cache
+    layout) count with their target's size; linked directories are not
+    followed, so a loop cannot trap the scan. The fingerprint is a hash of
+    sorted (path, size) pairs: it changes when a model arrives or goes, and the
+    agent sends the list only then.
+    """
+    files: dict[str, int] = {}
+    for d in dirs:
+        top = str(d)
+        if not os.path.isdir(top):
+            continue
+        for dirpath, dirnames, filenames in os.walk(top, onerror=_walk_error):
+            dirnames[:] = [n for n in dirnames if not _is_partial(n)]
+            for name in filenames:
+                if _is_partial(name):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(path)  # follows a link: the target's size
+                except OSError:
+                    continue  # a dangling link, or removed while we looked
+                if os.path.isfile(path):
+                    files[path] = st.st_size
+    digest = hashlib.sha256()
+    for path, size in sorted(files.items()):
+        digest.update(f"{path}\0{size}\n".encode(errors="surrogateescape"))
+    return Weights(
+        fingerprint=digest.hexdigest(),
+        files=tuple(WeightFile(p, s) for p, s in sorted(files.items())),
+    )
+
+
+def _walk_error(e: OSError) -> None:
+    logger.warning("weights: cannot read %s: %s", e.filename, e.strerror or e)
+
+
+# --- Engines ----------------------------------------------------------------------------------
+
+
+def probe_engines(
+    runner: Runner, *, sglang_python: str | None = None, search_path: str | None = None
+) -> Engines:
+    """vLLM and llama-server by looking them up on PATH; SGLang by importing it.
+
+    vllm and llama-server are never run: a wrapper script with that name may
+    start a server. SGLang has no executable of its own, so the configured
+    Python is asked to import it, judged by the exit status alone.
+    """
+    found: list[Engine] = []
+    for name in ("vllm", "llama-server"):
+        path = shutil.which(name, path=search_path)
+        if path is not None:
+            found.append(Engine(name=name, path=path))
+    if sglang_python is not None:
+        r = runner([sglang_python, "-c", "import sglang"], SGLANG_IMPORT_TIMEOUT_S)
+        if r.ok:
+            found.append(Engine(name="sglang", path=sglang_python))
+        else:
+            logger.info("sglang: %s -c 'import sglang': %s", sglang_python, r.describe())
+    return Engines(found=tuple(found))
+
+
+# --- Usage -----------------------------------------------------------------------------------
+
+
+def _gpu_usage(gpus: tuple[Gpu, ...] | None) -> tuple[GpuUsage, ...]:
+    return tuple(
+        GpuUsage(
+            index=g.index,
+            memory_used_mib=g.memory_used_mib,
+            utilization_pct=g.utilization_pct,
+            foreign_memory_mib=g.foreign_memory_mib,
+        )
+        for g in gpus or ()
+    )
+
+
+@attrs.frozen
+class _ProcSample:
+    create_time: float
+    cpu_s: float
+
+
+class UsageSampler:
+    """What changes between heartbeats. Keep one per agent: rates (CPU
+    utilisation, cores per shard) are differences between two samples, so the
+    first sample leaves them unknown."""
+
+    def __init__(
+        self,
+        *,
+        root: Path = Path("/"),
+        runner: Runner | None = None,
+        dirs: Sequence[str | Path] = (),
+        nvml: NvmlLoader | None = load_pynvml,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = root
+        self.runner: Runner = runner if runner is not None else SubprocessRunner()
+        self.dirs = tuple(dirs)
+        self.nvml = nvml
+        self._clock = clock
+        self._cpu: CpuTimes | None = None
+        self._procs: dict[int, _ProcSample] = {}
+        self._procs_at: tuple[float, float] | None = None  # (monotonic, wall)
+        self.samples = 0
+
+    def __repr__(self) -> str:
+        return f"<UsageSampler root={self.root} dirs={len(self.dirs)} samples={self.samples}>"
+
+    def sample(
+        self,
+        *,
+        shards: Mapping[str, Collection[int]] | None = None,
+        llmgw_pids: Collection[int] = (),
+        gpus: bool = True,
+    ) -> Usage:
+        mem = read_memory(self.root)
+        load = read_loadavg(self.root)
+        cpu = read_cpu_times(self.root)
+        util = cpu_util_pct(self._cpu, cpu) if self._cpu is not None and cpu is not None else None
+        self._cpu = cpu
+        gpu_usage: tuple[GpuUsage, ...] = ()
+        if gpus:
+            probe = probe_gpus(self.runner, nvml=self.nvml, llmgw_pids=llmgw_pids, topology=False)
+            gpu_usage = _gpu_usage(probe.gpus)
+        shard_usage = self._shards(shards or {})
+        self.samples += 1
+        return Usage(
+            memory_total_bytes=mem.total_bytes if mem else None,
+            memory_available_bytes=mem.available_bytes if mem else None,
+            load1=load.load1 if load else None,
+            load5=load.load5 if load else None,
+            load15=load.load15 if load else None,
+            cpu_util_pct=util,
+            gpus=gpu_usage,
+            filesystems=probe_filesystems(self.dirs, read_mounts(self.root)),
+            shards=shard_usage,
+        )
+
+    def _shards(self, shards: Mapping[str, Collection[int]]) -> tuple[ShardUsage, ...]:
+        now, wall = self._clock(), time.time()
+        before, before_at = self._procs, self._procs_at
+        seen: dict[int, _ProcSample] = {}
+        result: list[ShardUsage] = []
+        for shard_id, pids in shards.items():
+            rss = 0
+            delta = 0.0
+            alive = 0
+            for proc in _process_group(pids):
+                try:
+                    with proc.oneshot():
+                        times = proc.cpu_times()
+                        sample = _ProcSample(proc.create_time(), times.user + times.system)
+                        rss += proc.memory_info().rss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                alive += 1
+                seen[proc.pid] = sample
+                prev = before.get(proc.pid)
+                if prev is not None and prev.create_time == sample.create_time:
+                    delta += max(0.0, sample.cpu_s - prev.cpu_s)
+                elif before_at is not None and sample.create_time >= before_at[1]:
+                    delta += sample.cpu_s  # started since the last sample
+            cores = None
+            if alive and before_at is not None and now > before_at[0]:
+                cores = delta / (now - before_at[0])
+            result.append(
+                ShardUsage(shard_id=shard_id, cpu_cores=cores, rss_bytes=rss if alive else None)
+            )
+        self._procs, self._procs_at = seen, (now, wall)
+        return tuple(result)
+
+
+def _process_group(pids: Iterable[int]) -> list[psutil.Process]:
+    """The given processes and all their descendants, once each."""
+    found: dict[int, psutil.Process] = {}
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            kids = proc.children(recursive=True)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for p in (proc, *kids):
+            found.setdefault(p.pid, p)
+    return list(found.values())
+
+
+def collect_usage(
+    *,
+    root: Path = Path("/"),
+    runner: Runner | None = None,
+    dirs: Sequence[str | Path] = (),
+    shards: Mapping[str, Collection[int]] | None = None,
+    llmgw_pids: Collection[int] = (),
+    nvml: NvmlLoader | None = load_pynvml,
+    sampler: UsageSampler | None = None,
+) -> Usage:
+    """One usage sample. Pass the same `sampler` each time to get rates;
+    without one, CPU utilisation and cores per shard are unknown."""
+    if sampler is None:
+        sampler = UsageSampler(root=root, runner=runner, dirs=dirs, nvml=nvml)
+    return sampler.sample(shards=shards, llmgw_pids=llmgw_pids)
+
+
+# --- Inventory ---------------------------------------------------------------------------------
+
+
+def _guarded(what: str, warnings: list[str], fn: Callable[[], T], default: T) -> T:
+    # One broken probe must not cost the node its whole inventory.
+    try:
+        return fn()
+    except Exception as e:
+        logger.exception("%s probe failed", what)
+        warnings.append(f"{what} unknown: probe failed ({type(e).__name__}: {e})")
+        return default
+
+
+def collect_inventory(
+    *,
+    root: Path = Path("/"),
+    runner: Runner | None = None,
+    model_dirs: Sequence[str | Path] = (),
+    fetch_dir: str | Path | None = None,
+    fabrics: Mapping[str, Sequence[str]] | None = None,
+    sglang_python: str | None = None,
+    llmgw_pids: Collection[int] = (),
+    nvml: NvmlLoader | None = load_pynvml,
+    search_path: str | None = None,
+    hostname: str | None = None,
+    storage_dirs: Sequence[str | Path] = (),
+) -> Inventory:
+    """Everything the control plane needs to know about this node.
+
+    `root` is where /proc, /sys and /etc are read from (a fake tree in tests);
+    the configured directories are used as given. `nvml=None` reads GPUs with
+    nvidia-smi only. `search_path` is the PATH engines are looked up on
+    (default: this process's). `storage_dirs` are reported by filesystem
+    beside the model directories, but not scanned for weights.
+    """
+    run: Runner = runner if runner is not None else SubprocessRunner()
+    warnings: list[str] = []
+    mem = read_memory(root)  # first: see the module docstring
+    dirs = [*model_dirs, *([fetch_dir] if fetch_dir is not None else [])]
+
+    no_host: tuple[Host, tuple[str, ...]] = (Host(hostname=hostname or socket.gethostname()), ())
+    host, host_warnings = _guarded(
+        "host",
+        warnings,
+        lambda: probe_host(root=root, runner=run, hostname=hostname),
+        no_host,
+    )
+    warnings.extend(host_warnings)
+    gpu = _guarded(
+        "GPU", warnings, lambda: probe_gpus(run, nvml=nvml, llmgw_pids=llmgw_pids), GpuProbe(None)
+    )
+    warnings.extend(gpu.warnings)
+    host = attrs.evolve(host, driver_version=gpu.driver_version, cuda_version=gpu.cuda_version)
+
+    empty_ib: tuple[tuple[IbAdapter, ...], tuple[str, ...]] = ((), ())
+    adapters, ib_warnings = _guarded(
+        "RDMA", warnings, lambda: read_ib_adapters(root / "sys/class/infiniband"), empty_ib
+    )
+    warnings.extend(ib_warnings)
+    advertised, fabric_warnings = advertise_fabrics(fabrics or {}, adapters)
+    warnings.extend(fabric_warnings)
+
+    no_filesystems: tuple[Filesystem, ...] = ()
+    filesystems = _guarded(
+        "storage",
+        warnings,
+        lambda: probe_filesystems([*dirs, *storage_dirs], read_mounts(root)),
+        no_filesystems,
+    )
+    weights = _guarded("weights", warnings, lambda: scan_weights(dirs), None)
+    engines = _guarded(
+        "engines",
+        warnings,
+        lambda: probe_engines(run, sglang_python=sglang_python, search_path=search_path),
+        None,
+    )
+    load = read_loadavg(root)
+    usage = Usage(
+        memory_total_bytes=mem.total_bytes if mem else None,
+        memory_available_bytes=mem.available_bytes if mem else None,
+        load1=load.load1 if load else None,
+        load5=load.load5 if load else None,
+        load15=load.load15 if load else None,
+        gpus=_gpu_usage(gpu.gpus),
+        filesystems=filesystems,
+    )
+    return Inventory(
+        host=host,
+        usage=usage,
+        gpus=gpu.gpus,
+        topology=gpu.topology,
+        ib_adapters=adapters,
+        fabrics=advertised,
+        weights=weights,
+        engines=engines,
+        warnings=tuple(warnings),
+    )

@@ -1,0 +1,44 @@
+"""Engine adapters: a profile and an assignment in, the exact processes to run out.
+
+Pure: no I/O, no trio, no subprocess. The agent's supervisor performs a
+`LaunchPlan`; `llmgw ctl engine-check` checks `widest_command` against the
+engine's `--help` with `check_flags`; the scraper reads `metric_names`.
+"""
+
+from llmgw.engines._flags import check_flags, help_warnings
+from llmgw.engines._plan import help_commands, metric_names, plan_launch, widest_command
+from llmgw.engines._types import (
+    ENGINES,
+    Assignment,
+    EngineConfigError,
+    EngineName,
+    EngineProfile,
+    FlagCheck,
+    LaunchPlan,
+    MetricNames,
+    MultinodeMode,
+    ProcessRole,
+    ProcessSpec,
+)
+from llmgw.engines._validate import validate
+
+__all__ = [
+    "ENGINES",
+    "Assignment",
+    "EngineConfigError",
+    "EngineName",
+    "EngineProfile",
+    "FlagCheck",
+    "LaunchPlan",
+    "MetricNames",
+    "MultinodeMode",
+    "ProcessRole",
+    "ProcessSpec",
+    "check_flags",
+    "help_commands",
+    "help_warnings",
+    "metric_names",
+    "plan_launch",
+    "validate",
+    "widest_command",
+]

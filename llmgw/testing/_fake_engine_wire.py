@@ -1,0 +1,597 @@
+"""What the fake engine says, and the load it reports: request bodies in, bytes out, no I/O.
+
+`EngineState` holds the counters behind /metrics, /slots and /fake/stats; the
+functions here read requests and build the engines' JSON and Prometheus
+text. The server in `fake_engine` only moves these bytes and keeps time.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import heapq
+import json
+import math
+import random
+import struct
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+from llmgw.testing._fake_engine_cli import Engine, FakeConfig
+
+Outcome = Literal["completed", "cancelled", "failed"]
+
+
+def dumps(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+@attrs.frozen
+class Reply:
+    """A whole response: status, body, content type."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+@attrs.frozen
+class GenRequest:
+    """A completion to generate, read and checked from a request body."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    stream: bool
+    include_usage: bool
+    prompt_tokens: int
+    n_tokens: int
+    finish_reason: str
+
+
+@attrs.frozen
+class EmbedRequest:
+    model: str
+    texts: tuple[str, ...]
+    prompt_tokens: int
+    base64: bool
+
+
+# --- errors, in each engine's shape ---------------------------------------------------------
+
+_VLLM_TYPES = {
+    400: "BadRequestError",
+    401: "Unauthorized",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+_LLAMA_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+
+def error(engine: Engine, status: int, message: str, param: str | None = None) -> Reply:
+    """An OpenAI-shaped error: `{"error": {"message", "type", "param", "code"}}`."""
+    if engine == "llama-server":
+        body: dict[str, Any] = {"code": status, "message": message, "type": _LLAMA_TYPES[status]}
+    else:
+        body = {"message": message, "type": _VLLM_TYPES[status], "param": param, "code": status}
+    return Reply(status, dumps({"error": body}))
+
+
+def not_found(engine: Engine) -> Reply:
+    if engine == "llama-server":
+        return Reply(404, b"File Not Found", "text/plain")
+    return Reply(404, b'{"detail":"Not Found"}')
+
+
+def unauthorized(engine: Engine) -> Reply:
+    if engine == "llama-server":
+        return error(engine, 401, "Invalid API Key")
+    return Reply(401, b'{"error":"Unauthorized"}')
+
+
+def loading(engine: Engine) -> Reply:
+    return error(engine, 503, "Loading model")
+
+
+# --- reading requests -----------------------------------------------------------------------
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def _content_text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image_url"...}]
+        return " ".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
+    return ""
+
+
+def chat_prompt_tokens(messages: list[Any]) -> int:
+    """One token per word, plus 3 per message for the chat template's markers."""
+    return sum(
+        _words(_content_text(m.get("content"))) + 3 for m in messages if isinstance(m, Mapping)
+    )
+
+
+def completion_prompt_tokens(prompt: object) -> int:
+    if isinstance(prompt, str):
+        return max(1, _words(prompt))
+    if isinstance(prompt, list):
+        if all(isinstance(p, int) for p in prompt):
+            return max(1, len(prompt))
+        return max(1, sum(completion_prompt_tokens(p) for p in prompt))
+    return 1
+
+
+def _json_object(engine: Engine, body: bytes) -> dict[str, Any] | Reply:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return error(engine, 400, f"JSON decode error: {exc}")
+    if not isinstance(obj, dict):
+        return error(
+            engine, 400, f"the request body must be a JSON object, got {type(obj).__name__}"
+        )
+    return obj
+
+
+def _model(config: FakeConfig, body: Mapping[str, Any]) -> str | Reply:
+    asked = body.get("model")
+    if asked is None or asked == "":
+        return config.served_names[0]
+    if not isinstance(asked, str):
+        return error(config.engine, 400, "model must be a string", "model")
+    # llama-server serves its one model whatever the request names; the others refuse.
+    if config.engine != "llama-server" and asked not in config.served_names:
+        return error(config.engine, 404, f"The model `{asked}` does not exist.", "model")
+    return asked
+
+
+def read_generation(
+    config: FakeConfig, kind: Literal["chat", "completion"], raw: bytes, tokens: int
+) -> GenRequest | Reply:
+    """Check a chat or completions request as the engine would; say what to generate."""
+    engine = config.engine
+    body = _json_object(engine, raw)
+    if isinstance(body, Reply):
+        return body
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return error(engine, 400, "messages: Field required (a non-empty list)", "messages")
+        prompt_tokens = chat_prompt_tokens(messages)
+    else:
+        if "prompt" not in body or body["prompt"] in ("", []):
+            return error(engine, 400, "prompt: Field required", "prompt")
+        prompt_tokens = completion_prompt_tokens(body["prompt"])
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        return error(engine, 400, "stream must be true or false", "stream")
+    limit = body.get("max_completion_tokens", body.get("max_tokens", body.get("n_predict")))
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        return error(engine, 400, f"max_tokens must be at least 1, got {limit!r}", "max_tokens")
+    model = _model(config, body)
+    if isinstance(model, Reply):
+        return model
+    ctx = config.ctx_per_slot
+    if prompt_tokens + (limit or 0) > ctx or prompt_tokens >= ctx:
+        if engine == "llama-server":
+            return error(
+                engine,
+                400,
+                "the request exceeds the available context size, "
+                f"try increasing it (n_prompt_tokens={prompt_tokens}, n_ctx={ctx})",
+            )
+        return error(
+            engine,
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{prompt_tokens + (limit or 0)} tokens ({prompt_tokens} in the messages, "
+            f"{limit or 0} in the completion). Please reduce the length of the messages or "
+            "completion.",
+        )
+    n = min(tokens, limit or tokens, ctx - prompt_tokens)
+    options = body.get("stream_options")
+    include_usage = bool(stream and isinstance(options, Mapping) and options.get("include_usage"))
+    return GenRequest(
+        kind=kind,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        prompt_tokens=prompt_tokens,
+        n_tokens=n,
+        finish_reason="stop" if n == tokens else "length",
+    )
+
+
+def read_embeddings(config: FakeConfig, raw: bytes) -> EmbedRequest | Reply:
+    engine = config.engine
+    if not config.embeddings_enabled:
+        return error(
+            engine, 501, "This server does not support embeddings. Start it with `--embeddings`"
+        )
+    body = _json_object(engine, raw)
+    if isinstance(body, Reply):
+        return body
+    value = body.get("input", body.get("content"))
+    texts: list[str]
+    if isinstance(value, str):
+        texts = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        texts = [" ".join(map(str, value))]
+    elif isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
+        texts = [v if isinstance(v, str) else " ".join(map(str, v)) for v in value]
+    else:
+        return error(
+            engine, 400, "input must be a string, a list of strings or a list of token ids", "input"
+        )
+    model = _model(config, body)
+    if isinstance(model, Reply):
+        return model
+    return EmbedRequest(
+        model=model,
+        texts=tuple(texts),
+        prompt_tokens=sum(max(1, _words(t)) for t in texts),
+        base64=body.get("encoding_format") == "base64",
+    )
+
+
+# --- building answers -----------------------------------------------------------------------
+
+
+def token_text(i: int) -> str:
+    """The i-th generated token: the whole completion reads "tok0 tok1 tok2 ..."."""
+    return f"tok{i}" if i == 0 else f" tok{i}"
+
+
+def completion_text(n: int) -> str:
+    return "".join(token_text(i) for i in range(n))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+
+
+def full_response(engine: Engine, req: GenRequest, rid: str, created: int) -> bytes:
+    text = completion_text(req.n_tokens)
+    choice: dict[str, Any]
+    if req.kind == "chat":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": req.finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": req.finish_reason}
+        obj = "text_completion"
+    if engine == "vllm":
+        choice["stop_reason"] = None
+    return dumps(
+        {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": req.model,
+            "choices": [choice],
+            "usage": usage(req.prompt_tokens, req.n_tokens),
+        }
+    )
+
+
+class StreamWriter:
+    """The SSE events of one streamed completion, in order."""
+
+    def __init__(self, req: GenRequest, rid: str, created: int) -> None:
+        self.req = req
+        self._head = (
+            f'{{"id":"{rid}","object":"'
+            + ("chat.completion.chunk" if req.kind == "chat" else "text_completion")
+            + f'","created":{created},"model":{json.dumps(req.model)},'
+        ).encode()
+
+    def _event(self, choices: list[Any], with_usage: object = None) -> bytes:
+        tail: dict[str, object] = {"choices": choices}
+        if self.req.include_usage:
+            tail["usage"] = with_usage
+        return b"data: " + self._head + dumps(tail)[1:] + b"\n\n"
+
+    def role(self) -> bytes:
+        """vLLM's first chat chunk: the role, no text; empty for completions."""
+        if self.req.kind != "chat":
+            return b""
+        return self._event(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+
+    def token(self, i: int) -> bytes:
+        last = i == self.req.n_tokens - 1
+        finish = self.req.finish_reason if last else None
+        if self.req.kind == "chat":
+            choice = {
+                "index": 0,
+                "delta": {"content": token_text(i)},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        else:
+            choice = {"index": 0, "text": token_text(i), "logprobs": None, "finish_reason": finish}
+        return self._event([choice])
+
+    def end(self) -> bytes:
+        """The usage chunk when asked for, then [DONE]."""
+        done = b"data: [DONE]\n\n"
+        if not self.req.include_usage:
+            return done
+        return self._event([], usage(self.req.prompt_tokens, self.req.n_tokens)) + done
+
+
+def embedding(text: str, dim: int) -> list[float]:
+    """A unit vector that depends only on `text` and `dim`."""
+    rng = random.Random(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big"))
+    v = [rng.gauss(0.0, 1.0) for _ in range(dim)]
+    norm = math.sqrt(sum(x * x for x in v)) or 1.0
+    return [x / norm for x in v]
+
+
+def embeddings_response(req: EmbedRequest, dim: int) -> bytes:
+    data = []
+    for i, text in enumerate(req.texts):
+        vec = embedding(text, dim)
+        value: object = (
+            base64.b64encode(struct.pack(f"<{dim}f", *vec)).decode() if req.base64 else vec
+        )
+        data.append({"index": i, "object": "embedding", "embedding": value})
+    return dumps(
+        {
+            "id": f"embd-{hashlib.sha256(repr(req.texts).encode()).hexdigest()[:24]}",
+            "object": "list",
+            "model": req.model,
+            "data": data,
+            "usage": {"prompt_tokens": req.prompt_tokens, "total_tokens": req.prompt_tokens},
+        }
+    )
+
+
+def models_response(config: FakeConfig, ready: bool, created: int) -> bytes:
+    owner = {"vllm": "vllm", "llama-server": "llamacpp", "sglang": "sglang"}[config.engine]
+    data: list[dict[str, Any]] = []
+    if ready:
+        for name in config.served_names:
+            entry: dict[str, Any] = {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": owner,
+            }
+            if config.engine != "llama-server":
+                entry["root"] = config.model
+                entry["max_model_len"] = config.ctx_per_slot
+            data.append(entry)
+    return dumps({"object": "list", "data": data})
+
+
+# --- load ---------------------------------------------------------------------------------
+
+
+@attrs.define
+class Running:
+    """A request that holds a slot (llama-server) or a place in the batch (vLLM, SGLang)."""
+
+    slot: int
+    task: int
+    prompt_tokens: int
+    generated: int = 0
+
+
+class EngineState:
+    """Counters and the running set: what the fake's endpoints report about its load.
+
+    `received` counts inference requests (chat, completions, embeddings); each
+    ends as exactly one of `completed`, `cancelled` (the client went away
+    first) or `failed` (answered with an error status).
+    """
+
+    def __init__(self, slots: int, kv_tokens: int) -> None:
+        self.slots = slots
+        self.kv_tokens = kv_tokens
+        self.ready = False
+        self.received = 0
+        self.completed = 0
+        self.cancelled = 0
+        self.failed = 0
+        self.waiting = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0}
+        self.running: dict[int, Running] = {}
+        self._free = list(range(slots))
+        self._tasks = 0
+        self._fail_seen = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self.received - self.completed - self.cancelled - self.failed
+
+    def admit(self) -> None:
+        self.received += 1
+
+    def should_fail(self, rate: float) -> bool:
+        """Spread failures evenly: with rate r, request k fails when floor(k*r) steps up."""
+        if rate <= 0.0:
+            return False
+        self._fail_seen += 1
+        k = self._fail_seen
+        return math.floor(round(k * rate, 9)) > math.floor(round((k - 1) * rate, 9))
+
+    def finish(self, outcome: Outcome) -> None:
+        if outcome == "completed":
+            self.completed += 1
+        elif outcome == "cancelled":
+            self.cancelled += 1
+        else:
+            self.failed += 1
+
+    def start(self, prompt_tokens: int) -> Running:
+        """Take the lowest free slot; the caller has made sure one is free."""
+        slot = heapq.heappop(self._free)
+        self._tasks += 1
+        run = Running(slot=slot, task=self._tasks, prompt_tokens=prompt_tokens)
+        self.running[slot] = run
+        self.prompt_tokens_total += prompt_tokens
+        return run
+
+    def generated(self, run: Running) -> None:
+        run.generated += 1
+        self.generation_tokens_total += 1
+
+    def release(self, run: Running, finish_reason: str | None) -> None:
+        del self.running[run.slot]
+        heapq.heappush(self._free, run.slot)
+        if finish_reason is not None:
+            self.finished_by_reason[finish_reason] = (
+                self.finished_by_reason.get(finish_reason, 0) + 1
+            )
+
+    def kv_used_tokens(self) -> int:
+        return sum(r.prompt_tokens + r.generated for r in self.running.values())
+
+    def kv_usage(self) -> float:
+        return min(1.0, self.kv_used_tokens() / self.kv_tokens)
+
+    def statistics(self) -> dict[str, int | bool]:
+        return {
+            "ready": self.ready,
+            "received": self.received,
+            "completed": self.completed,
+            "cancelled": self.cancelled,
+            "failed": self.failed,
+            "in_flight": self.in_flight,
+            "running": len(self.running),
+            "waiting": self.waiting,
+            "prompt_tokens": self.prompt_tokens_total,
+            "generation_tokens": self.generation_tokens_total,
+        }
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return "<EngineState " + " ".join(f"{k}={v}" for k, v in s.items()) + ">"
+
+
+def _exposition(families: list[tuple[str, str, str, list[tuple[str, float]]]]) -> str:
+    lines: list[str] = []
+    for name, kind, help, samples in families:
+        lines.append(f"# HELP {name} {help}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(f"{name}{labels} {value!r}" for labels, value in samples)
+    return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def metrics_text(config: FakeConfig, state: EngineState) -> str:
+    """/metrics in the Prometheus text format, with the imitated engine's names."""
+    running, waiting = float(len(state.running)), float(state.waiting)
+    prompt, generated = float(state.prompt_tokens_total), float(state.generation_tokens_total)
+    name = _label(config.served_names[0])
+    if config.engine == "vllm":
+        lab = f'{{engine="0",model_name={name}}}'
+        by_reason = [
+            (f'{{engine="0",finished_reason="{reason}",model_name={name}}}', float(n))
+            for reason, n in sorted(state.finished_by_reason.items())
+        ]
+        return _exposition([
+            ("vllm:num_requests_running", "gauge",
+             "Number of requests in model execution batches.", [(lab, running)]),
+            ("vllm:num_requests_waiting", "gauge",
+             "Number of requests waiting to be processed.", [(lab, waiting)]),
+            ("vllm:kv_cache_usage_perc", "gauge",
+             "KV-cache usage. 1 means 100 percent usage.", [(lab, state.kv_usage())]),
+            ("vllm:prompt_tokens_total", "counter",
+             "Number of prefill tokens processed.", [(lab, prompt)]),
+            ("vllm:generation_tokens_total", "counter",
+             "Number of generation tokens processed.", [(lab, generated)]),
+            ("vllm:request_success_total", "counter",
+             "Count of successfully processed requests.", by_reason),
+        ])  # fmt: skip
+    if config.engine == "sglang":
+        lab = f"{{model_name={name}}}"
+        return _exposition([
+            ("sglang:num_running_reqs", "gauge", "The number of running requests.",
+             [(lab, running)]),
+            ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.",
+             [(lab, waiting)]),
+            ("sglang:num_used_tokens", "gauge", "The number of used tokens.",
+             [(lab, float(state.kv_used_tokens()))]),
+            ("sglang:token_usage", "gauge", "The token usage.", [(lab, state.kv_usage())]),
+            ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+             [(lab, prompt)]),
+            ("sglang:generation_tokens_total", "counter",
+             "Number of generation tokens processed.", [(lab, generated)]),
+            ("sglang:num_requests_total", "counter", "Number of requests processed.",
+             [(lab, float(state.completed))]),
+        ])  # fmt: skip
+    # llama.cpp's names carry no labels, and recent versions have no KV cache gauge.
+    return _exposition([
+        ("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.",
+         [("", prompt)]),
+        ("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.",
+         [("", generated)]),
+        ("llamacpp:n_decode_total", "counter", "Total number of llama_decode() calls",
+         [("", generated)]),
+        ("llamacpp:requests_processing", "gauge", "Number of requests processing.",
+         [("", running)]),
+        ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.",
+         [("", waiting)]),
+    ])  # fmt: skip
+
+
+def slots_response(config: FakeConfig, state: EngineState, n_predict: int) -> bytes:
+    """llama-server's GET /slots: one object per slot."""
+    slots = []
+    for i in range(config.slots):
+        run = state.running.get(i)
+        slots.append(
+            {
+                "id": i,
+                "id_task": run.task if run else -1,
+                "n_ctx": config.ctx_per_slot,
+                "speculative": False,
+                "is_processing": run is not None,
+                "params": {"n_predict": n_predict, "stream": True},
+                "next_token": {
+                    "has_next_token": run is not None,
+                    "has_new_line": False,
+                    "n_remain": n_predict - run.generated if run else -1,
+                    "n_decoded": run.generated if run else 0,
+                },
+            }
+        )
+    return dumps(slots)

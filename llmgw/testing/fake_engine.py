@@ -1,0 +1,715 @@
+"""A stand-in for vLLM, SGLang and llama-server: a real HTTP server that generates nothing.
+
+Tests, demos and benchmarks run it where there are no GPUs, so the agent's
+supervisor and the router meet a process that starts, loads, serves, reports
+load and dies the way an inference engine does.
+
+Run it as `python -m llmgw.testing.fake_engine ARGS...`, or through a wrapper
+named after the engine on PATH (`install(bin_dir, "vllm")` writes one). It
+takes the real engines' command lines and ignores the flags it does not act on:
+
+    vllm serve MODEL [--host H] [--port P] [--served-model-name NAME...] [--max-num-seqs N]
+                     [--max-model-len N] [--api-key KEY] [...]
+    llama-server -m MODEL [--host H] [--port P] [-a ALIAS] [-np N] [-c N] [--metrics]
+                 [--no-slots] [--embeddings] [--api-key KEY] [...]
+    (sglang) --model-path MODEL [--host H] [--port P] [--served-model-name NAME]
+             [--max-running-requests N] [--context-length N] [--enable-metrics] [...]
+
+`--port 0` binds a free port; the startup line says which. Which engine to
+imitate: `--fake-engine vllm|llama-server|sglang`, else `LLMGW_FAKE_ENGINE`,
+else the wrapper's name (argv[0]'s basename), else the command line's shape
+(`serve` first: vLLM; `--model-path`: SGLang; `-m`: llama-server).
+`--help` (vLLM also `--help=all`) prints that engine's help listing the flags
+in `_fake_engine_cli`; `--version` prints a version. Both exit 0.
+
+Endpoints, as the imitated engine has them:
+
+- `POST /v1/chat/completions`, `POST /v1/completions`: the completion is
+  "tok0 tok1 ... tok{N-1}"; with `stream: true`, SSE events `data: {chunk}`
+  (chat: a role chunk, then one chunk per token, `finish_reason` on the last),
+  a usage chunk when `stream_options.include_usage` is true, then
+  `data: [DONE]`. `max_tokens` shortens it (finish_reason "length"). Prompt
+  tokens are counted as words (+3 per chat message); a prompt plus max_tokens
+  over the context length is refused with 400, as the engines do.
+- `POST /v1/embeddings`: unit vectors that depend only on the text
+  (`encoding_format: base64` gives little-endian float32). llama-server
+  answers 501 unless started with `--embeddings`.
+- `GET /v1/models`: the served names once loaded, an empty list before.
+- `GET /health`: 503 while loading, then 200.
+- `GET /metrics`: Prometheus text with the engine's names, from the real
+  in-flight load. vLLM: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+  `vllm:kv_cache_usage_perc` (labels `engine`, `model_name`), token and
+  success counters. SGLang (only with `--enable-metrics`, else 404):
+  `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`.
+  llama-server (only with `--metrics`, else 501): `llamacpp:requests_processing`,
+  `llamacpp:requests_deferred` and token counters; no KV gauge.
+- llama-server `GET /slots` (501 with `--no-slots`): one object per slot with
+  `id`, `id_task`, `n_ctx` (per slot), `is_processing`, `next_token`.
+- `GET /fake/stats` (the fake's own): JSON `ready`, `received`, `completed`,
+  `cancelled`, `failed`, `in_flight`, `running`, `waiting`, `prompt_tokens`,
+  `generation_tokens`. An inference request ends as exactly one of completed,
+  cancelled (the client closed the connection first) or failed (an error
+  status).
+
+A request generates while it holds one of the engine's slots: vLLM's
+`--max-num-seqs` (default 256), SGLang's `--max-running-requests` (256),
+llama-server's `-np` (4); `LLMGW_FAKE_SLOTS` replaces the default when the
+flag is absent. Requests beyond that wait, and count as waiting/deferred. The
+KV gauges are the running requests' prompt + generated tokens over
+`LLMGW_FAKE_KV_TOKENS`. A model name the server does not serve is 404 for vLLM
+and SGLang; llama-server serves its one model whatever the request names.
+With `--api-key`, `/v1/*` needs `Authorization: Bearer KEY` (else 401).
+Bad JSON or a missing field is 400. A client that closes its connection
+cancels its request, whether it is waiting, generating or hung.
+
+Environment variables (they pass through wrapper scripts and the agent):
+
+LLMGW_FAKE_ENGINE
+    vllm, llama-server or sglang; see above.
+LLMGW_FAKE_LOAD_DELAY
+    Seconds of "loading" after it listens (default 0): /health is 503, /v1/models
+    is empty and inference requests get 503 until then.
+LLMGW_FAKE_TOKENS
+    Tokens per completion (default 16).
+LLMGW_FAKE_FIRST_TOKEN_DELAY, LLMGW_FAKE_TOKEN_DELAY
+    Seconds before the first token once a slot is held, and between later
+    tokens (default 0). A non-streamed answer takes the same time.
+LLMGW_FAKE_CRASH_AFTER
+    Seconds after it starts listening at which it prints a realistic fatal
+    error to stderr (a CUDA illegal memory access, as vLLM/SGLang or llama.cpp
+    report it) and exits with status 1, abruptly, connections and all.
+LLMGW_FAKE_CRASH_MESSAGE
+    Replaces that last stderr line (e.g. a torch.OutOfMemoryError line).
+LLMGW_FAKE_HANG_AFTER_TOKENS
+    Every generation stops after N tokens and keeps its connection open
+    without sending anything, until the client goes away.
+LLMGW_FAKE_FAIL_RATE
+    Fraction of inference requests answered 500 in the OpenAI error shape,
+    spread evenly and deterministically (0.5: every second request; 1: all).
+LLMGW_FAKE_SLOTS
+    Concurrent generations when the engine's flag does not say (see above).
+LLMGW_FAKE_LOG_EVERY
+    Print an engine-style statistics line to stdout every N seconds.
+LLMGW_FAKE_HELP_RENAME
+    `--old=--new` (several: comma-separated) renames flags in --help output,
+    to imitate another engine version.
+LLMGW_FAKE_HELP_TRUNCATE
+    Cut the --help output after N bytes.
+LLMGW_FAKE_EMBED_DIM
+    Embedding dimension (default 16).
+LLMGW_FAKE_KV_TOKENS
+    KV cache capacity in tokens for the usage gauges (default 65536).
+LLMGW_FAKE_KEEPALIVE
+    Seconds an idle keep-alive connection is kept (default 5, as uvicorn).
+LLMGW_FAKE_VERSION
+    The version `--version` prints.
+
+A bad value is refused at startup with exit status 2 and a message naming the
+variable. Stdout gets the engine's startup line once it listens ("Uvicorn
+running on http://H:P" for vLLM and SGLang, "server is listening on
+http://H:P" for llama-server); a port already in use exits 1 as uvicorn does.
+SIGTERM or SIGINT stops it at once with status 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from pathlib import Path
+from typing import Literal
+
+import h11
+import trio
+
+from llmgw._process import run_service
+from llmgw.errors import UsageError
+from llmgw.testing._fake_engine_cli import (
+    Behaviour,
+    Engine,
+    FakeConfig,
+    HelpRequest,
+    VersionRequest,
+    parse_command_line,
+    read_behaviour,
+)
+from llmgw.testing._fake_engine_wire import (
+    EmbedRequest,
+    EngineState,
+    GenRequest,
+    Outcome,
+    Reply,
+    StreamWriter,
+    dumps,
+    embeddings_response,
+    error,
+    full_response,
+    loading,
+    metrics_text,
+    models_response,
+    not_found,
+    read_embeddings,
+    read_generation,
+    slots_response,
+    unauthorized,
+)
+
+__all__ = ["EngineState", "FakeEngine", "install", "main"]
+
+READ_SIZE = 65536
+MAX_BODY = 32 * 1024 * 1024
+# Bytes a client may pipeline behind a request still being answered before we stop reading.
+MAX_PIPELINED = 1024 * 1024
+BODY_TIMEOUT = 60.0
+_REASONS = {int(s): s.phrase.encode() for s in HTTPStatus}
+SERVER_HEADER = {"vllm": b"uvicorn", "sglang": b"uvicorn", "llama-server": b"llama.cpp"}
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _stamp(engine: Engine) -> str:
+    now = time.localtime()
+    if engine == "vllm":
+        return time.strftime("INFO %m-%d %H:%M:%S", now)
+    return time.strftime("[%Y-%m-%d %H:%M:%S]", now)
+
+
+def crash_lines(engine: Engine, last: str | None) -> list[str]:
+    """What the engine prints to stderr as it dies; the last line is the one operators see."""
+    if engine == "llama-server":
+        lines = [
+            "CUDA error: an illegal memory access was encountered",
+            "  current device: 0, in function ggml_backend_cuda_synchronize at "
+            "/app/ggml/src/ggml-cuda/ggml-cuda.cu:2484",
+            "  cudaStreamSynchronize(cuda_ctx->stream())",
+            "/app/ggml/src/ggml-cuda/ggml-cuda.cu:75: CUDA error",
+        ]
+    else:
+        where = "[core.py:700]" if engine == "vllm" else "Scheduler hit an exception:"
+        prefix = time.strftime("ERROR %m-%d %H:%M:%S ", time.localtime())
+        lines = [
+            f"{prefix}{where} EngineCore encountered a fatal error.",
+            "Traceback (most recent call last):",
+            '  File "/usr/local/lib/python3.12/dist-packages/torch/cuda/__init__.py", line 1014, '
+            "in synchronize",
+            "    return torch._C._cuda_synchronize()",
+            "RuntimeError: CUDA error: an illegal memory access was encountered",
+        ]
+    if last:
+        lines[-1] = last
+    return lines
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Gone(Exception):
+    """The client closed its connection, or sent nothing for too long."""
+
+
+class FakeEngine:
+    """One fake engine: its listening socket, its load, and its timers."""
+
+    def __init__(self, config: FakeConfig, behaviour: Behaviour) -> None:
+        self.config = config
+        self.behaviour = behaviour
+        self.state = EngineState(config.slots, behaviour.kv_tokens)
+        self._slots = trio.Semaphore(config.slots)
+        self._created = int(time.time())
+        self._server = SERVER_HEADER[config.engine]
+        self._routes: dict[str, tuple[bytes, Callable[..., Awaitable[None]]]] = {
+            "/health": (b"GET", self._health),
+            "/v1/models": (b"GET", self._models),
+            "/metrics": (b"GET", self._metrics),
+            "/fake/stats": (b"GET", self._stats),
+            "/v1/chat/completions": (b"POST", self._chat),
+            "/v1/completions": (b"POST", self._completions),
+            "/v1/embeddings": (b"POST", self._embeddings),
+        }
+        if config.engine == "llama-server":
+            self._routes["/slots"] = (b"GET", self._slots_endpoint)
+            self._routes["/models"] = (b"GET", self._models)
+            self._routes["/chat/completions"] = (b"POST", self._chat)
+        else:
+            self._routes["/version"] = (b"GET", self._version)
+
+    def __repr__(self) -> str:
+        c = self.config
+        where = _url(c.host, c.port)
+        return f"<FakeEngine {c.engine} {c.served_names[0]!r} on {where} {self.state!r}>"
+
+    # --- lifetime -------------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen, announce, load, serve until cancelled; `task_status.started(port)`."""
+        c = self.config
+        self._announce_start()
+        try:
+            listeners = await trio.open_tcp_listeners(c.port, host=c.host, backlog=1024)
+        except OSError as exc:
+            reason = (exc.strerror or str(exc)).lower()
+            raise UsageError(
+                f"[Errno {exc.errno}] error while attempting to bind on address "
+                f"({c.host!r}, {c.port}): {reason}"
+            ) from None
+        if c.port == 0:  # a name with several addresses got one free port each: keep one
+            for extra in listeners[1:]:
+                await extra.aclose()
+            listeners = listeners[:1]
+        port = int(listeners[0].socket.getsockname()[1])
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners, self._connection, listeners)
+                self._announce_listening(port)
+                task_status.started(port)
+                nursery.start_soon(self._load)
+                if self.behaviour.crash_after is not None:
+                    nursery.start_soon(self._crash)
+                if self.behaviour.log_every is not None:
+                    nursery.start_soon(self._log_stats)
+        finally:
+            if c.engine != "llama-server":
+                _say("INFO:     Shutting down")
+
+    def _announce_start(self) -> None:
+        c = self.config
+        if c.engine == "vllm":
+            _say(f"{_stamp('vllm')} [api_server.py:1805] vLLM API server version {c.version}")
+            _say(f"{_stamp('vllm')} [utils.py:326] non-default args: {{'model': {c.model!r}}}")
+        elif c.engine == "sglang":
+            _say(
+                f"{_stamp('sglang')} server_args=ServerArgs(model_path={c.model!r}, "
+                f"host={c.host!r}, port={c.port})"
+            )
+        else:
+            _say(f"build: {c.version} (1a2b3c4d) with cc (GCC) 13.3.0 for x86_64-linux-gnu")
+            _say(f"main: loading model from '{c.model}'")
+
+    def _announce_listening(self, port: int) -> None:
+        url = _url(self.config.host, port)
+        if self.config.engine == "llama-server":
+            _say(f"main: server is listening on {url} - starting the main loop")
+        else:
+            _say(f"INFO:     Uvicorn running on {url} (Press CTRL+C to quit)")
+
+    async def _load(self) -> None:
+        if self.behaviour.load_delay:
+            await trio.sleep(self.behaviour.load_delay)
+        self.state.ready = True
+        engine = self.config.engine
+        if engine == "vllm":
+            _say("INFO:     Application startup complete.")
+        elif engine == "sglang":
+            _say(f"{_stamp('sglang')} The server is fired up and ready to roll!")
+        else:
+            _say("main: model loaded")
+
+    async def _crash(self) -> None:
+        assert self.behaviour.crash_after is not None
+        await trio.sleep(self.behaviour.crash_after)
+        sys.stdout.flush()
+        for line in crash_lines(self.config.engine, self.behaviour.crash_message):
+            print(line, file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)  # an engine that dies does not unwind politely
+
+    async def _log_stats(self) -> None:
+        every = self.behaviour.log_every
+        assert every is not None
+        st = self.state
+        prompt, gen = st.prompt_tokens_total, st.generation_tokens_total
+        while True:
+            await trio.sleep(every)
+            dp, dg = st.prompt_tokens_total - prompt, st.generation_tokens_total - gen
+            prompt, gen = st.prompt_tokens_total, st.generation_tokens_total
+            running, waiting = len(st.running), st.waiting
+            engine = self.config.engine
+            if engine == "vllm":
+                _say(
+                    f"{_stamp('vllm')} [loggers.py:123] Engine 000: Avg prompt throughput: "
+                    f"{dp / every:.1f} tokens/s, Avg generation throughput: {dg / every:.1f} "
+                    f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache "
+                    f"usage: {st.kv_usage() * 100:.1f}%, Prefix cache hit rate: 0.0%"
+                )
+            elif engine == "sglang":
+                _say(
+                    f"{_stamp('sglang')} Decode batch. #running-req: {running}, #token: "
+                    f"{st.kv_used_tokens()}, token usage: {st.kv_usage():.2f}, gen throughput "
+                    f"(token/s): {dg / every:.2f}, #queue-req: {waiting}"
+                )
+            elif running or waiting:
+                _say(
+                    f"srv  update_slots: {running} of {self.config.slots} slots processing, "
+                    f"{waiting} deferred"
+                )
+            else:
+                _say("srv  update_slots: all slots are idle")
+
+    # --- HTTP -----------------------------------------------------------------------------
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                head = await self._next(conn, stream, self.behaviour.keepalive)
+                if not isinstance(head, h11.Request):
+                    return
+                body = await self._body(conn, stream)
+                if body is None:
+                    await self._send(
+                        conn,
+                        stream,
+                        error(self.config.engine, 400, f"request body over {MAX_BODY} bytes"),
+                    )
+                    return
+                await self._dispatch(conn, stream, head, body)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except (_Gone, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except h11.RemoteProtocolError as exc:
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                reply = Reply(
+                    exc.error_status_hint, f"Invalid HTTP request: {exc}".encode(), "text/plain"
+                )
+                with trio.move_on_after(1):
+                    await self._send(conn, stream, reply)
+        except Exception:
+            print("ERROR:    Exception in ASGI application", file=sys.stderr)
+            traceback.print_exc()
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                with trio.move_on_after(1):
+                    await self._send(
+                        conn, stream, Reply(500, b"Internal Server Error", "text/plain")
+                    )
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _next(
+        self, conn: h11.Connection, stream: trio.SocketStream, timeout: float
+    ) -> object:
+        """The next h11 event (or PAUSED); _Gone when the peer closes between requests."""
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = b""
+            with trio.move_on_after(timeout):
+                data = await stream.receive_some(READ_SIZE)
+            if not data and conn.their_state is h11.IDLE:
+                raise _Gone()  # closed or idle between requests: nothing to answer
+            conn.receive_data(data)
+
+    async def _body(self, conn: h11.Connection, stream: trio.SocketStream) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            event = await self._next(conn, stream, BODY_TIMEOUT)
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > MAX_BODY:
+                    return None
+                chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                return b"".join(chunks)
+            else:
+                raise _Gone()
+
+    def _headers(self, content_type: str, length: int | None) -> list[tuple[bytes, bytes]]:
+        headers = [(b"server", self._server), (b"content-type", content_type.encode())]
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        return headers
+
+    async def _send(self, conn: h11.Connection, stream: trio.SocketStream, reply: Reply) -> None:
+        head = h11.Response(
+            status_code=reply.status,
+            headers=self._headers(reply.content_type, len(reply.body)),
+            reason=_REASONS.get(reply.status, b""),
+        )
+        out = conn.send(head)
+        if reply.body:
+            out += conn.send(h11.Data(data=reply.body))
+        await stream.send_all(out + conn.send(h11.EndOfMessage()))
+
+    async def _dispatch(
+        self, conn: h11.Connection, stream: trio.SocketStream, req: h11.Request, body: bytes
+    ) -> None:
+        path = bytes(req.target).split(b"?", 1)[0].decode("latin-1")
+        route = self._routes.get(path)
+        if route is None:
+            await self._send(conn, stream, not_found(self.config.engine))
+            return
+        method, handler = route
+        if req.method != method:
+            await self._send(conn, stream, Reply(405, b'{"detail":"Method Not Allowed"}'))
+            return
+        key = self.config.api_key
+        if key is not None and path.startswith("/v1/"):
+            auth = dict(req.headers).get(b"authorization", b"")
+            if auth != f"Bearer {key}".encode():
+                await self._send(conn, stream, unauthorized(self.config.engine))
+                return
+        await handler(conn, stream, body)
+
+    # --- endpoints ------------------------------------------------------------------------
+
+    async def _health(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
+        engine = self.config.engine
+        if not self.state.ready:
+            reply = loading(engine)
+        elif engine == "llama-server":
+            reply = Reply(200, b'{"status":"ok"}')
+        else:
+            reply = Reply(200, b"")
+        await self._send(conn, stream, reply)
+
+    async def _models(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
+        body = models_response(self.config, self.state.ready, self._created)
+        await self._send(conn, stream, Reply(200, body))
+
+    async def _version(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
+        await self._send(conn, stream, Reply(200, dumps({"version": self.config.version})))
+
+    async def _stats(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
+        await self._send(conn, stream, Reply(200, dumps(self.state.statistics())))
+
+    async def _metrics(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
+        engine = self.config.engine
+        if self.config.metrics_enabled:
+            text = metrics_text(self.config, self.state).encode()
+            reply = Reply(200, text, "text/plain; version=0.0.4; charset=utf-8")
+        elif engine == "llama-server":
+            reply = error(
+                engine,
+                501,
+                "This server does not support metrics endpoint. Start it with `--metrics`",
+            )
+        else:
+            reply = not_found(engine)
+        await self._send(conn, stream, reply)
+
+    async def _slots_endpoint(
+        self, conn: h11.Connection, stream: trio.SocketStream, _: bytes
+    ) -> None:
+        engine = self.config.engine
+        if not self.config.slots_endpoint:
+            reply = error(
+                engine, 501, "This server does not support slots endpoint. Start it with `--slots`"
+            )
+        else:
+            reply = Reply(200, slots_response(self.config, self.state, self.behaviour.tokens))
+        await self._send(conn, stream, reply)
+
+    async def _chat(self, conn: h11.Connection, stream: trio.SocketStream, body: bytes) -> None:
+        await self._inference(conn, stream, body, "chat")
+
+    async def _completions(
+        self, conn: h11.Connection, stream: trio.SocketStream, body: bytes
+    ) -> None:
+        await self._inference(conn, stream, body, "completion")
+
+    async def _embeddings(
+        self, conn: h11.Connection, stream: trio.SocketStream, body: bytes
+    ) -> None:
+        await self._inference(conn, stream, body, "embedding")
+
+    async def _inference(
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        body: bytes,
+        kind: Literal["chat", "completion", "embedding"],
+    ) -> None:
+        st = self.state
+        engine = self.config.engine
+        st.admit()
+        outcome: Outcome = "cancelled"  # unless it gets further: a shutdown or a reset
+        try:
+            if not st.ready:
+                outcome = "failed"
+                await self._send(conn, stream, loading(engine))
+                return
+            parsed: GenRequest | EmbedRequest | Reply
+            if kind == "embedding":
+                parsed = read_embeddings(self.config, body)
+            else:
+                parsed = read_generation(self.config, kind, body, self.behaviour.tokens)
+            if isinstance(parsed, Reply):
+                outcome = "failed"
+                await self._send(conn, stream, parsed)
+                return
+            if st.should_fail(self.behaviour.fail_rate):
+                outcome = "failed"
+                message = (
+                    "EngineCore encountered an issue. See stack trace (above) for the root cause."
+                    if engine != "llama-server"
+                    else "fake engine: LLMGW_FAKE_FAIL_RATE chose this request to fail"
+                )
+                await self._send(conn, stream, error(engine, 500, message))
+                return
+            if isinstance(parsed, EmbedRequest):
+                reply = Reply(200, embeddings_response(parsed, self.behaviour.embed_dim))
+                outcome = "completed"
+                await self._send(conn, stream, reply)
+                return
+            generated: list[bool] = []
+            gen = parsed
+
+            async def work() -> None:
+                await self._generate(conn, stream, gen, generated)
+
+            gone = await self._watching(conn, stream, work)
+            # Generated to the end is completed, even if the last bytes found the client gone.
+            outcome = "completed" if generated else "cancelled"
+            if gone:
+                raise _Gone()
+        finally:
+            st.finish(outcome)
+
+    # --- generation -----------------------------------------------------------------------
+
+    async def _watching(
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        work: Callable[[], Awaitable[None]],
+    ) -> bool:
+        """Run `work` while reading the socket; cancel it if the client goes away.
+
+        Returns whether the client went away. Bytes it pipelines meanwhile go to
+        h11, which hands them out after this response.
+        """
+        gone = False
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal gone
+                buffered = 0
+                while buffered < MAX_PIPELINED:
+                    try:
+                        data = await stream.receive_some(READ_SIZE)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        data = b""
+                    if not data:
+                        gone = True
+                        nursery.cancel_scope.cancel()
+                        return
+                    conn.receive_data(data)
+                    buffered += len(data)
+
+            nursery.start_soon(watch)
+            try:
+                await work()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                gone = True
+            nursery.cancel_scope.cancel()
+        return gone
+
+    async def _generate(
+        self, conn: h11.Connection, stream: trio.SocketStream, req: GenRequest, done: list[bool]
+    ) -> None:
+        """Hold a slot, produce the tokens in time, send them; `done` gets True at the end."""
+        b = self.behaviour
+        st = self.state
+        kind = "chatcmpl" if req.kind == "chat" else "cmpl"
+        rid = f"{kind}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        writer = StreamWriter(req, rid, created)
+        if req.stream:
+            head = h11.Response(
+                status_code=200,
+                headers=self._headers("text/event-stream; charset=utf-8", None),
+                reason=b"OK",
+            )
+            await stream.send_all(conn.send(head))
+        st.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            st.waiting -= 1
+        run = st.start(req.prompt_tokens)
+        reason: str | None = None
+        try:
+            if b.first_token_delay:
+                await trio.sleep(b.first_token_delay)
+            pending = writer.role() if req.stream else b""
+            for i in range(req.n_tokens):
+                if b.hang_after_tokens is not None and i >= b.hang_after_tokens:
+                    if pending:
+                        await stream.send_all(conn.send(h11.Data(data=pending)))
+                    await trio.sleep_forever()
+                if i and b.token_delay:
+                    await trio.sleep(b.token_delay)
+                st.generated(run)
+                if req.stream:
+                    pending += writer.token(i)
+                    # Without a delay, tokens would go out back to back anyway: batch them.
+                    if b.token_delay or i == req.n_tokens - 1:
+                        await stream.send_all(conn.send(h11.Data(data=pending)))
+                        pending = b""
+            reason = req.finish_reason
+            done.append(True)
+        finally:
+            st.release(run, reason)
+            self._slots.release()
+        if req.stream:
+            await stream.send_all(
+                conn.send(h11.Data(data=writer.end())) + conn.send(h11.EndOfMessage())
+            )
+        else:
+            await self._send(
+                conn, stream, Reply(200, full_response(self.config.engine, req, rid, created))
+            )
+
+
+def install(bin_dir: Path, engine: Engine = "vllm", python: str = sys.executable) -> Path:
+    """Write an executable named after `engine` (vllm, llama-server, sglang) in `bin_dir`.
+
+    It runs this module with its own path as argv[0], so the engine is guessed
+    from the name as it would be for a user's own wrapper.
+    """
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    path = bin_dir / engine
+    code = (
+        "import sys; from llmgw.testing.fake_engine import main; "
+        "sys.exit(main(sys.argv[2:], prog=sys.argv[1]))"
+    )
+    path.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -c {shlex.quote(code)} "$0" "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def main(
+    argv: list[str] | None = None, prog: str | None = None, default_engine: Engine | None = None
+) -> int:
+    """Run as the engine the command line names; returns the exit status."""
+    args = sys.argv[1:] if argv is None else argv
+    prog = sys.argv[0] if prog is None else prog
+    try:
+        behaviour = read_behaviour(os.environ)
+        command = parse_command_line(args, prog, os.environ, behaviour, default_engine)
+    except UsageError as exc:
+        print(f"{os.path.basename(prog)}: error: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(command, HelpRequest):
+        sys.stdout.buffer.write(command.text)
+        sys.stdout.flush()
+        return 0
+    if isinstance(command, VersionRequest):
+        print(command.text, file=sys.stderr if command.to_stderr else sys.stdout, flush=True)
+        return 0
+    return run_service(command.engine, FakeEngine(command, behaviour).serve)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
