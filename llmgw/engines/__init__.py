@@ -6,6 +6,7 @@ engine's `--help` with `check_flags`; the scraper reads `metric_names`.
 """
 
 from llmgw.engines._flags import check_flags, help_warnings
+from llmgw.engines._load import EngineLoad, parse_load, parse_samples, slots_usage
 from llmgw.engines._plan import help_commands, metric_names, plan_launch, widest_command
 from llmgw.engines._types import (
     ENGINES,
@@ -26,6 +27,7 @@ __all__ = [
     "ENGINES",
     "Assignment",
     "EngineConfigError",
+    "EngineLoad",
     "EngineName",
     "EngineProfile",
     "FlagCheck",
@@ -38,7 +40,10 @@ __all__ = [
     "help_commands",
     "help_warnings",
     "metric_names",
+    "parse_load",
+    "parse_samples",
     "plan_launch",
+    "slots_usage",
     "validate",
     "widest_command",
 ]

@@ -1,0 +1,170 @@
+"""A tiny llama model that a real llama-server loads: random weights, small vocabulary.
+
+For tests and the demo, which cannot download weights. The text it writes is
+gibberish, which is fine: what is tested is everything around the model.
+`python -m llmgw.testing.tiny_gguf PATH` writes one (a few hundred KB).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+N_EMBD = 64
+N_HEAD = 4
+N_LAYER = 2
+N_FF = 128
+N_CTX = 2048
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "that",
+    "was",
+    "he",
+    "for",
+    "on",
+    "are",
+    "as",
+    "with",
+    "his",
+    "they",
+    "at",
+    "be",
+    "this",
+    "from",
+    "have",
+    "or",
+    "by",
+    "one",
+    "had",
+    "not",
+    "but",
+    "what",
+    "all",
+    "were",
+    "when",
+    "we",
+    "there",
+    "can",
+    "an",
+    "your",
+    "which",
+    "their",
+    "said",
+    "if",
+    "do",
+    "will",
+    "each",
+    "about",
+    "how",
+    "up",
+    "out",
+    "them",
+    "then",
+    "she",
+    "many",
+    "some",
+    "so",
+    "these",
+    "would",
+    "other",
+    "into",
+    "has",
+    "more",
+    "her",
+    "two",
+    "like",
+    "him",
+    "see",
+    "time",
+    "could",
+    "no",
+    "make",
+    "than",
+    "first",
+    "hello",
+    "world",
+    "fleet",
+    "node",
+    "engine",
+    "model",
+    "token",
+    "llama",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def write(path: Path, *, seed: int = 0) -> Path:
+    """Write the model to `path` (replacing it) and return the path."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += ["\u2581" + w for w in WORDS] + list("abcdefghijklmnopqrstuvwxyz")
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    n_vocab = len(tokens)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_name("llmgw-tiny-llama")
+    writer.add_context_length(N_CTX)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD)
+    writer.add_rope_dimension_count(N_EMBD // N_HEAD)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(0)  # all F32
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    def weight(*shape: int) -> Any:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    ones = np.ones(N_EMBD, dtype=np.float32)
+    writer.add_tensor("token_embd.weight", weight(n_vocab, N_EMBD))
+    for i in range(N_LAYER):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", weight(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(N_FF, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(N_FF, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(N_EMBD, N_FF))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.add_tensor("output.weight", weight(n_vocab, N_EMBD))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(path)  # never visible half-written under its final name
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: python -m llmgw.testing.tiny_gguf PATH", file=sys.stderr)
+        sys.exit(2)
+    print(write(Path(sys.argv[1])))
