@@ -69,6 +69,7 @@ class AgentConfig:
     fabrics: dict[str, FabricDecl] = attrs.field(factory=dict)
     sglang_python: str | None = None
     engine_paths: dict[str, str] = attrs.field(factory=dict)  # "vllm" -> /opt/vllm/bin/vllm
+    labels: dict[str, str] = attrs.field(factory=dict)  # matched by profiles' node_selector
     stop_grace_s: float = 30.0
     sample_interval_s: float = 5.0
 
@@ -85,10 +86,16 @@ class ServerConfig:
     state_dir: Path = Path("/var/lib/llmgw")
     rpc_listen: HostPort = HostPort("0.0.0.0:7070")
     admin_listen: HostPort = HostPort("127.0.0.1:8081")
+    router_listen: HostPort | None = HostPort("0.0.0.0:8080")  # null: no router here
+    router: dict[str, Any] = attrs.field(factory=dict)  # llmgw.router.RouterConfig's fields
     tls: TlsFiles
     heartbeat_interval_s: float = 5.0
     missed_heartbeats: int = 3
     lost_after_s: float = 60.0
+    reconcile_interval_s: float = 2.0
+    reconcile_settle_s: float = 10.0  # after a start, wait for agents before acting
+    stop_grace_s: float = 30.0
+    models: list[dict[str, Any]] = attrs.field(factory=list)  # the catalog: llmgw.cp._catalog
 
 
 @attrs.define(kw_only=True, frozen=True)

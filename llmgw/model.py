@@ -180,6 +180,13 @@ class Inventory:
     weights: Weights | None = None
     engines: Engines | None = None
     warnings: tuple[str, ...] = ()
+    labels: tuple[Label, ...] = ()
+
+
+@attrs.frozen
+class Label:
+    key: str
+    value: str
 
 
 # --- Session ------------------------------------------------------------------
@@ -197,6 +204,11 @@ class ShardReport:
     pids: tuple[int, ...] = ()
     reason: str | None = None
     profile_fingerprint: str | None = None
+    replica_id: str | None = None  # None: started by hand, not from the catalog
+    model_name: str | None = None  # the catalog model
+    rank: int = 0
+    ranks: int = 1
+    gpus: tuple[str, ...] = ()  # UUIDs of the cards it was given
 
 
 @attrs.frozen
@@ -232,6 +244,11 @@ class ShardSpec:
     health_path: str = "/health"
     models_path: str = "/v1/models"
     profile_fingerprint: str | None = None
+    replica_id: str | None = None
+    model_name: str | None = None
+    rank: int = 0
+    ranks: int = 1
+    gpus: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -128,7 +128,10 @@ struct Inventory {
   weights @6 :Weights;         # null: nothing to report
   engines @7 :Engines;         # null: not probed; empty list: has none
   warnings @8 :List(Text);
+  labels @9 :List(Label);      # from agent.yaml, for node_selector
 }
+
+struct Label { key @0 :Text; value @1 :Text; }
 
 # --- Session ------------------------------------------------------------------------
 
@@ -141,6 +144,11 @@ struct ShardReport {
   pids @5 :List(Int64);
   reason @6 :Text;
   profileFingerprint @7 :Text;
+  replicaId @8 :Text;          # null: started by hand, not from the catalog
+  modelName @9 :Text;
+  rank @10 :Int64;
+  ranks @11 :Int64;
+  gpus @12 :List(Text);        # UUIDs
 }
 
 struct Hello {
@@ -190,6 +198,11 @@ struct ShardSpec {
   healthPath @7 :Text;
   modelsPath @8 :Text;
   profileFingerprint @9 :Text;
+  replicaId @10 :Text;
+  modelName @11 :Text;
+  rank @12 :Int64;
+  ranks @13 :Int64;
+  gpus @14 :List(Text);
 }
 
 struct EnvVar { name @0 :Text; value @1 :Text; }

@@ -21,8 +21,9 @@ def test_demo_shows_two_ready_nodes_and_stops(tmp_path: Path) -> None:
     table = [line.split() for line in done.stdout.splitlines() if line.startswith("demo-")]
     assert [(row[0], row[1]) for row in table] == [("demo-a", "ready"), ("demo-b", "ready")]
     assert "LLMGW_ADMIN_KEY" in done.stdout and "stopped" in done.stdout
-    # A real llama-server answered the printed curl.
-    assert "curl -s http://127.0.0.1:" in done.stdout and "-> '" in done.stdout
+    # A real llama-server, placed from the catalog, answered the printed curl to the router.
+    assert "curl -s http://127.0.0.1:" in done.stdout and "/v1/chat/completions" in done.stdout
+    assert "-> '" in done.stdout
     assert [row[8] for row in table] == ["1/1", "-"]  # SHARDS: ready/total
     # Nothing left running.
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "demo")], capture_output=True)

@@ -77,7 +77,10 @@ class Node:
             llmgw_pids=self.llmgw_pids(),
             storage_dirs=self._storage_dirs(),
         )
-        return attrs.evolve(inventory, engines=self._with_configured(inventory.engines))
+        labels = tuple(model.Label(k, v) for k, v in sorted((cfg.labels if cfg else {}).items()))
+        return attrs.evolve(
+            inventory, engines=self._with_configured(inventory.engines), labels=labels
+        )
 
     def _with_configured(self, engines: model.Engines | None) -> model.Engines | None:
         """Engines named in agent.yaml's engine_paths count when they exist and are executable."""

@@ -92,6 +92,11 @@ class Shard:
             pids=tuple(p.pid for p in self.procs),
             reason=self.reason,
             profile_fingerprint=self.spec.profile_fingerprint,
+            replica_id=self.spec.replica_id,
+            model_name=self.spec.model_name,
+            rank=self.spec.rank,
+            ranks=self.spec.ranks,
+            gpus=self.spec.gpus,
         )
 
 

@@ -1,5 +1,7 @@
 """Pure decisions: plain values in, decisions out; no trio, capnp, HTTP or filesystem."""
 
+from llmgw.core._admission import Admission, AdmissionConfig, Admit, Band, Queued, Reject
+from llmgw.core._breaker import Breaker, BreakerConfig, BreakerState
 from llmgw.core._liveness import (
     ConnectionLost,
     Event,
@@ -12,16 +14,66 @@ from llmgw.core._liveness import (
     registered,
     step,
 )
+from llmgw.core._placement import (
+    Allocations,
+    GpuFacts,
+    NodeFacts,
+    Placement,
+    PlacementProfile,
+    Placer,
+    RankPlacement,
+    Refusal,
+    place,
+)
+from llmgw.core._reconcile import (
+    DesiredModel,
+    ObservedShard,
+    Plan,
+    ReplicaView,
+    Start,
+    Stop,
+    reconcile,
+)
+from llmgw.core._scoring import EndpointLoad, ScoringConfig, choose, score
 
 __all__ = [
+    "Admission",
+    "AdmissionConfig",
+    "Admit",
+    "Allocations",
+    "Band",
+    "Breaker",
+    "BreakerConfig",
+    "BreakerState",
     "ConnectionLost",
+    "DesiredModel",
+    "EndpointLoad",
     "Event",
+    "GpuFacts",
     "HeartbeatSeen",
     "Liveness",
     "LivenessPolicy",
+    "NodeFacts",
     "NodeState",
+    "ObservedShard",
+    "Placement",
+    "PlacementProfile",
+    "Placer",
+    "Plan",
+    "Queued",
+    "RankPlacement",
+    "Refusal",
     "Registered",
+    "Reject",
+    "ReplicaView",
+    "ScoringConfig",
+    "Start",
+    "Stop",
     "Tick",
+    "choose",
+    "place",
+    "reconcile",
     "registered",
+    "score",
     "step",
 ]

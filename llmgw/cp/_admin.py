@@ -13,15 +13,22 @@ import logging
 import os
 import re
 import secrets
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
 from llmgw import config, engines
+from llmgw.cp._catalog_file import CatalogFile
+from llmgw.cp._reconciler import Reconciler, Unplaced
 from llmgw.cp._registry import NodeRecord, NodeRegistry
 from llmgw.cp._shards import manual_shard
 from llmgw.errors import ConfigError, PeerError, UsageError
+from llmgw.router._keys import ApiKey, KeyStore
 from llmgw.rpc import AgentHandle
 
 log = logging.getLogger("llmgw.cp.admin")
@@ -67,8 +74,21 @@ Handler = Callable[..., Awaitable[tuple[int, Any]]]
 
 
 class AdminApp:
-    def __init__(self, registry: NodeRegistry, admin_key: str) -> None:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        admin_key: str,
+        *,
+        reconciler: Reconciler | None = None,
+        catalog: CatalogFile | None = None,
+        keys: KeyStore | None = None,
+        metrics: CollectorRegistry | None = None,
+    ) -> None:
         self._registry = registry
+        self._keys = keys
+        self._metrics = metrics
+        self._reconciler = reconciler
+        self._catalog = catalog
         self._digest = _digest(admin_key)
         self._routes: list[tuple[str, re.Pattern[str], Handler]] = [
             ("GET", re.compile(r"^/api/v1/nodes$"), self._nodes),
@@ -84,6 +104,13 @@ class AdminApp:
                 self._shard_logs,
             ),
             ("POST", re.compile(r"^/api/v1/engine-check$"), self._engine_check),
+            ("GET", re.compile(r"^/api/v1/models$"), self._models),
+            ("GET", re.compile(r"^/api/v1/replicas$"), self._replicas),
+            ("GET", re.compile(r"^/api/v1/status$"), self._status),
+            ("POST", re.compile(r"^/api/v1/place$"), self._place),
+            ("GET", re.compile(r"^/api/v1/keys$"), self._keys_list),
+            ("POST", re.compile(r"^/api/v1/keys$"), self._keys_create),
+            ("DELETE", re.compile(r"^/api/v1/keys/(?P<key_id>[^/]+)$"), self._keys_revoke),
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -95,6 +122,18 @@ class AdminApp:
         path, method = scope["path"], scope["method"]
         if path == "/healthz":
             await _json(send, 200, {"status": "ok"})
+            return
+        if path == "/metrics" and self._metrics is not None:
+            # Unauthenticated, as Prometheus scrapes it: keep the admin listener private.
+            page = generate_latest(self._metrics)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())],
+                }
+            )
+            await send({"type": "http.response.body", "body": page})
             return
         if not path.startswith("/api/"):
             await _error(send, 404, f"no such page: {path}")
@@ -208,6 +247,134 @@ class AdminApp:
                 except PeerError as exc:
                     results.append({"node": rec.node_id, "engine": name, "error": str(exc)})
         return 200, {"checks": results}
+
+    # catalog and replicas ---------------------------------------------------------------
+
+    def _need_catalog(self) -> tuple[Reconciler, CatalogFile]:
+        if self._reconciler is None or self._catalog is None:
+            raise HttpError(404, "this control plane runs no catalog")
+        return self._reconciler, self._catalog
+
+    async def _models(self, **_: Any) -> tuple[int, Any]:
+        _rec, catalog = self._need_catalog()
+        return 200, {"models": [config.unstructure(m) for m in catalog.catalog.models]}
+
+    def _replica_rows(self) -> list[dict[str, Any]]:
+        reconciler, _cat = self._need_catalog()
+        now = trio.current_time()
+        wall = time.time()
+        rows: list[dict[str, Any]] = []
+        for v in reconciler.replicas():
+            rows.append(
+                {
+                    "model": v.model_name,
+                    "replica": v.replica_id,
+                    "state": v.state,
+                    "nodes": list(v.nodes),
+                    "since": wall - (now - v.first_seen),
+                    "stale": v.stale,
+                    "reason": v.reason,
+                }
+            )
+        for u in reconciler.unplaced():
+            rows.append(
+                {
+                    "model": u.model_name,
+                    "replica": None,
+                    "state": "unplaced",
+                    "nodes": [],
+                    "since": None,
+                    "stale": False,
+                    "reason": "\n".join(u.reasons),
+                }
+            )
+        return rows
+
+    async def _replicas(self, **_: Any) -> tuple[int, Any]:
+        return 200, {"replicas": self._replica_rows()}
+
+    async def _status(self, **_: Any) -> tuple[int, Any]:
+        _rec, catalog = self._need_catalog()
+        rows = self._replica_rows()
+        out = []
+        for m in catalog.catalog.models:
+            mine = [r for r in rows if r["model"] == m.name]
+            out.append(
+                {
+                    "model": m.name,
+                    "desired": m.replicas,
+                    "ready": sum(r["state"] == "ready" for r in mine),
+                    "starting": sum(r["state"] == "starting" for r in mine),
+                    "unplaced": any(r["state"] == "unplaced" for r in mine),
+                }
+            )
+        return 200, {"models": out}
+
+    async def _place(self, body: Any, **_: Any) -> tuple[int, Any]:
+        reconciler, catalog = self._need_catalog()
+        request = _expect(body, {"model": str}, {})
+        m = catalog.catalog.model(request["model"])
+        if m is None:
+            known = ", ".join(x.name for x in catalog.catalog.models) or "none"
+            raise HttpError(404, f"no model {request['model']!r} in the catalog (known: {known})")
+        found = reconciler.try_place(m)
+        if isinstance(found, Unplaced):
+            return 200, {"model": m.name, "placed": False, "reasons": list(found.reasons)}
+        profile, where = found
+        ranks = [
+            {"rank": r.rank, "node": r.node_id, "gpus": list(r.gpu_indexes),
+             "fabric_adapters": list(r.fabric_adapters)}
+            for r in where.ranks
+        ]  # fmt: skip
+        return 200, {"model": m.name, "placed": True, "engine": profile.engine, "ranks": ranks,
+                     "fabric": where.fabric}  # fmt: skip
+
+    # API keys ---------------------------------------------------------------------------
+
+    def _need_keys(self) -> KeyStore:
+        if self._keys is None:
+            raise HttpError(404, "this control plane keeps no API keys")
+        return self._keys
+
+    async def _keys_list(self, **_: Any) -> tuple[int, Any]:
+        keys = await self._need_keys().list()
+        return 200, {"keys": [_key_json(k) for k in keys]}
+
+    async def _keys_create(self, body: Any, **_: Any) -> tuple[int, Any]:
+        request = _expect(
+            body,
+            {"tenant": str},
+            {"models": list, "default_band": str, "max_band": str, "name": str},
+        )
+        models = request.get("models")
+        key, secret = await self._need_keys().create(
+            tenant=request["tenant"],
+            models=[str(m) for m in models] if models is not None else None,
+            default_band=request.get("default_band", "interactive"),
+            max_band=request.get("max_band"),
+            name=request.get("name", ""),
+        )
+        log.info("API key %s created for tenant %s", key.key_id, key.tenant)
+        return 201, {"key": _key_json(key), "secret": secret}
+
+    async def _keys_revoke(self, key_id: str, **_: Any) -> tuple[int, Any]:
+        if not await self._need_keys().revoke(key_id):
+            raise HttpError(404, f"no API key {key_id!r}")
+        log.info("API key %s revoked", key_id)
+        return 200, {"revoked": key_id}
+
+
+def _key_json(key: ApiKey) -> dict[str, Any]:
+    return {
+        "key_id": key.key_id,
+        "tenant": key.tenant,
+        "models": sorted(key.models) if key.models is not None else None,
+        "default_band": key.default_band,
+        "max_band": key.max_band,
+        "created_at": key.created_at,
+        "revoked": key.revoked,
+        "name": key.name,
+    }
 
 
 ENGINES = ("vllm", "sglang", "llama-server")

@@ -14,9 +14,14 @@ import trio
 
 from llmgw import config, core
 from llmgw._process import run_service, setup_logging
+from llmgw.cp import _catalog_file
 from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
+from llmgw.cp._catalog_file import CatalogFile
+from llmgw.cp._endpoints import FleetEndpoints
+from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
 from llmgw.errors import ConfigError
+from llmgw.router import Router, RouterConfig, SqliteKeyStore, serve_http
 from llmgw.rpc import CapnpThread, _tls
 
 log = logging.getLogger("llmgw.cp")
@@ -35,21 +40,52 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         cfg = config.load(args.config, config.ServerConfig)
+        catalog = CatalogFile(args.config, _catalog_file.read(args.config))
+        router_cfg = config.structure(cfg.router, RouterConfig, f"{args.config}: router")
     except ConfigError as exc:
         print(f"llmgw-cp: {exc}", file=sys.stderr)
         return 2
-    return run_service("llmgw-cp", lambda: serve(cfg))
+    return run_service("llmgw-cp", lambda: serve(cfg, catalog, router_cfg))
 
 
 async def serve(
-    cfg: config.ServerConfig, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    cfg: config.ServerConfig,
+    catalog: CatalogFile,
+    router_cfg: RouterConfig | None = None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     tls = _tls.server_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     key_path, created = ensure_admin_key(cfg.state_dir)
     if created:
         log.info("created the first admin key in %s (keep it safe)", key_path)
-    admin = AdminApp(registry := NodeRegistry(_policy(cfg)), read_admin_key(key_path))
+    registry = NodeRegistry(_policy(cfg))
+    reconciler = Reconciler(
+        registry,
+        lambda: catalog.catalog,
+        interval_s=cfg.reconcile_interval_s,
+        settle_s=cfg.reconcile_settle_s,
+        stop_grace_s=cfg.stop_grace_s,
+    )
+    endpoints = FleetEndpoints(registry, lambda: catalog.catalog)
+    registry.listeners += [reconciler.poke, endpoints.refresh]
+
+    def catalog_changed() -> None:
+        reconciler.poke()
+        endpoints.refresh()
+
+    catalog.on_change = catalog_changed
+    keys = SqliteKeyStore(cfg.state_dir / "keys.sqlite")
+    router = Router(router_cfg or RouterConfig(), endpoints, keys)
+    admin = AdminApp(
+        registry,
+        read_admin_key(key_path),
+        reconciler=reconciler,
+        catalog=catalog,
+        keys=router.keys,
+        metrics=router.metrics_registry,
+    )
     rpc_host, rpc_port = config.split_host_port(cfg.rpc_listen)
 
     hc = hypercorn.config.Config()
@@ -59,8 +95,17 @@ async def serve(
 
     async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
         await nursery.start(registry.run)
+        await nursery.start(reconciler.run)
+        nursery.start_soon(catalog.watch)
         port = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, registry)
         await nursery.start(hypercorn.trio.serve, admin, hc)
+        await nursery.start(router.run)
+        if cfg.router_listen is not None:
+            # The lean HTTP/1.1 server, not hypercorn: profiled, hypercorn was
+            # 45% of the router's CPU (llmgw/router/_server.py says more).
+            host, port = config.split_host_port(cfg.router_listen)
+            bound = await nursery.start(serve_http, router.app, host, port)
+            log.info("router: OpenAI API on http://%s:%d/v1", host, bound)
         log.info(
             "control plane ready: agents on %s:%d, admin API on http://%s",
             rpc_host,

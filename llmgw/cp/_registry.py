@@ -69,6 +69,8 @@ class NodeRegistry:
         self._nodes: dict[str, NodeRecord] = {}
         self._nursery: trio.Nursery | None = None
         self._generations = 0
+        # Called on a registration, a shard report, a state change.
+        self.listeners: list[Callable[[], None]] = []
 
     def __repr__(self) -> str:
         return f"<NodeRegistry {self.statistics()}>"
@@ -78,6 +80,10 @@ class NodeRegistry:
         for rec in self._nodes.values():
             counts[rec.liveness.state.value] += 1
         return counts
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Owns the per-session watchers and ticks the liveness machine every second."""
@@ -135,6 +141,7 @@ class NodeRegistry:
         )
         if self._nursery is not None:
             self._nursery.start_soon(self._watch, hello.node_id, generation, peer.closed)
+        self._changed()
         return _Session(self, hello.node_id, generation), model.Settings(
             heartbeat_interval_s=self.policy.heartbeat_interval_s, epoch=self.epoch
         )
@@ -158,6 +165,7 @@ class NodeRegistry:
         before = rec.liveness
         rec.liveness = core.step(before, event, self.policy)
         if rec.liveness.state is not before.state:
+            self._changed()
             log.info(
                 "node %s: %s -> %s (%s)",
                 rec.node_id,
@@ -188,6 +196,7 @@ class NodeRegistry:
             return
         others = tuple(s for s in rec.shards if s.shard_id != shard.shard_id)
         rec.shards = others if shard.state == "stopped" else (*others, shard)
+        self._changed()
 
     def tick(self) -> None:
         event = core.Tick(self._clock())
@@ -233,3 +242,4 @@ class NodeRegistry:
         rec = self._nodes.get(node_id)
         if rec is not None:
             rec.shards = tuple(s for s in rec.shards if s.shard_id != shard_id)
+            self._changed()

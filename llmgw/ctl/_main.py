@@ -64,6 +64,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.add_argument("--lines", type=int, default=40)
     logs.set_defaults(func=_shard_logs)
 
+    models = sub.add_parser("models", help="the catalog's models")
+    models.add_argument("--json", action="store_true")
+    models.set_defaults(func=_models)
+    replicas = sub.add_parser("replicas", help="every replica: state, nodes, age, stale, reason")
+    replicas.add_argument("--json", action="store_true")
+    replicas.set_defaults(func=_replicas)
+    status = sub.add_parser("status", help="desired and ready replicas per model")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=_status)
+    place = sub.add_parser("place", help="where a replica of MODEL would go, or why it cannot")
+    place.add_argument("model")
+    place.add_argument(
+        "--dry-run",
+        action="store_true",
+        required=True,
+        help="only show the decision (the reconciler places for real)",
+    )
+    place.add_argument("--json", action="store_true")
+    place.set_defaults(func=_place)
+
+    keys = sub.add_parser("keys", help="API keys for the router")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="a new key; its secret is shown once")
+    create.add_argument("--tenant", required=True)
+    create.add_argument(
+        "--models", default=None, help="comma-separated served names (default: all)"
+    )
+    create.add_argument("--band", default="interactive", help="default priority band")
+    create.add_argument("--max-band", default=None, help="highest band it may ask for")
+    create.add_argument("--name", default="")
+    create.add_argument("--json", action="store_true")
+    create.set_defaults(func=_keys_create)
+    klist = keys_sub.add_parser("list", help="every key (never the secrets)")
+    klist.add_argument("--json", action="store_true")
+    klist.set_defaults(func=_keys_list)
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by its id")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(func=_keys_revoke)
+
     check = sub.add_parser(
         "engine-check", help="check the flags llmgw would pass against each engine's --help"
     )
@@ -190,6 +229,132 @@ def _engine_check(args: argparse.Namespace) -> int:
         for warning in check.get("warnings") or []:
             print(f"{where}: warning: {warning}")
     return 1 if problems else 0
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    all_rows = [tuple(header), *[tuple(r) for r in rows]]
+    widths = [max(len(r[i]) for r in all_rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in all_rows
+    )
+
+
+def _models(args: argparse.Namespace) -> int:
+    data = api(args, "GET", "/api/v1/models")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    rows = []
+    for m in data["models"]:
+        profiles = "; ".join(
+            f"{p['engine']} {p.get('gpu_class') or 'cpu'}"
+            + (f" x{p['gpus_per_node']}" if p.get("gpus_per_node") else "")
+            + (f" {p['nodes']} nodes" if p.get("nodes", 1) > 1 else "")
+            for p in m["profiles"]
+        )
+        names = ",".join(m.get("served_names") or [m["name"]])
+        rows.append((m["name"], names, str(m["replicas"]), m["source"], profiles))
+    print(_table(("MODEL", "SERVED AS", "REPLICAS", "SOURCE", "PROFILES"), rows))
+    return 0
+
+
+def _replicas(args: argparse.Namespace) -> int:
+    data = api(args, "GET", "/api/v1/replicas")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    now = time.time()
+    rows = []
+    for r in data["replicas"]:
+        reason = (r.get("reason") or "-").splitlines()
+        rows.append(
+            (
+                r["model"],
+                r["replica"] or "-",
+                r["state"],
+                ",".join(r["nodes"]) or "-",
+                _age(None if r["since"] is None else now - r["since"]),
+                "stale" if r["stale"] else "-",
+                reason[0],
+            )
+        )
+        rows += [("", "", "", "", "", "", line) for line in reason[1:]]
+    print(_table(("MODEL", "REPLICA", "STATE", "NODES", "AGE", "STALE", "REASON"), rows))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    data = api(args, "GET", "/api/v1/status")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    rows = [
+        (m["model"], str(m["desired"]), str(m["ready"]), "unplaced" if m["unplaced"] else "-")
+        for m in data["models"]
+    ]
+    print(_table(("MODEL", "DESIRED", "READY", "NOTE"), rows))
+    return 0
+
+
+def _place(args: argparse.Namespace) -> int:
+    data = api(args, "POST", "/api/v1/place", {"model": args.model})
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif data["placed"]:
+        print(f"{data['model']}: would place with {data['engine']}"
+              + (f" over fabric {data['fabric']}" if data.get("fabric") else ""))  # fmt: skip
+        for r in data["ranks"]:
+            gpus = ",".join(map(str, r["gpus"])) or "cpu"
+            nics = " " + ",".join(r["fabric_adapters"]) if r["fabric_adapters"] else ""
+            print(f"  rank {r['rank']}: {r['node']} gpus {gpus}{nics}")
+    else:
+        print(f"{data['model']}: cannot be placed:")
+        for reason in data["reasons"]:
+            print(f"  {reason}")
+    return 0 if data["placed"] else 1
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"tenant": args.tenant, "default_band": args.band, "name": args.name}
+    if args.models:
+        body["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.max_band:
+        body["max_band"] = args.max_band
+    data = api(args, "POST", "/api/v1/keys", body)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    key = data["key"]
+    print(f"key {key['key_id']} for tenant {key['tenant']}; its secret (shown only now):")
+    print(data["secret"])
+    return 0
+
+
+def _keys_list(args: argparse.Namespace) -> int:
+    data = api(args, "GET", "/api/v1/keys")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    rows = [
+        (
+            k["key_id"],
+            k["tenant"],
+            ",".join(k["models"]) if k["models"] is not None else "all",
+            k["default_band"],
+            k["max_band"],
+            "revoked" if k["revoked"] else "active",
+            k["name"] or "-",
+        )
+        for k in data["keys"]
+    ]
+    print(_table(("KEY", "TENANT", "MODELS", "BAND", "MAX BAND", "STATE", "NAME"), rows))
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    api(args, "DELETE", f"/api/v1/keys/{args.key_id}")
+    print(f"{args.key_id} revoked")
+    return 0
 
 
 def _nodes(args: argparse.Namespace) -> int:

@@ -1,1 +1,30 @@
+"""The router: one OpenAI-compatible endpoint in front of the fleet's replicas.
 
+`Router(config, endpoints, keys)` gives the ASGI app (`router.app`), the
+background work (`await nursery.start(router.run)`: the load scraper and the
+fleet watch) and the Prometheus registry (`router.metrics_registry`) for the
+admin listener's `/metrics`. `serve_http(router.app, host, port)` is the lean
+HTTP/1.1 server the router listener should run on (see `_server.py` for why
+not hypercorn); `python -m llmgw.router` is router-only mode.
+"""
+
+from llmgw.router._keys import ApiKey, CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
+from llmgw.router._router import DEFAULT_BANDS, PRIORITY_HEADER, Router, RouterConfig
+from llmgw.router._server import serve as serve_http
+from llmgw.router._types import Endpoint, EndpointSource, StaticEndpoints
+
+__all__ = [
+    "DEFAULT_BANDS",
+    "PRIORITY_HEADER",
+    "ApiKey",
+    "CachedKeys",
+    "Endpoint",
+    "EndpointSource",
+    "KeyStore",
+    "Router",
+    "RouterConfig",
+    "SqliteKeyStore",
+    "StaticEndpoints",
+    "StaticKeys",
+    "serve_http",
+]

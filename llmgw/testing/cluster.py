@@ -8,6 +8,7 @@ not needed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -97,6 +98,7 @@ class LocalCluster:
         *,
         heartbeat_interval_s: float = 1.0,
         rpc_host: str = "127.0.0.1",
+        settle_s: float = 3.0,
         server_names: Sequence[str] = ("127.0.0.1", "localhost"),
     ) -> None:
         self.root = root
@@ -105,7 +107,11 @@ class LocalCluster:
         self.server_names = list(server_names)
         self.rpc_port = free_port(rpc_host)
         self.admin_port = free_port()
+        self.router_port = free_port()
+        self.router_extra: dict[str, Any] = {}
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.settle_s = settle_s
+        self.models: list[dict[str, Any]] = []
         self.cp: Proc | None = None
         self.agents: dict[str, Proc] = {}
         self.env = dict(os.environ)
@@ -115,6 +121,15 @@ class LocalCluster:
     @property
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}/v1"
+
+    def api_key(self, tenant: str = "test", *extra: str) -> str:
+        """A new router API key (its secret)."""
+        out = self.ctl("keys", "create", "--tenant", tenant, *extra, "--json").stdout
+        return str(json.loads(out)["secret"])
 
     @property
     def admin_key(self) -> str:
@@ -128,22 +143,34 @@ class LocalCluster:
         for node in nodes:
             if not (self.pki / f"agent-{node}.crt").exists():
                 _cert.issue_agent(self.pki, node)
-        self._write(
+        self.write_server_config()
+        for node in nodes:
+            self.write_agent_config(node)
+
+    def write_server_config(self, models: list[dict[str, Any]] | None = None) -> Path:
+        """server.yaml; `models` replaces the catalog (the running control plane reloads it)."""
+        if models is not None:
+            self.models = models
+        return self._write(
             "server.yaml",
             {
                 "state_dir": str(self.root / "cp"),
                 "rpc_listen": f"{self.rpc_host}:{self.rpc_port}",
                 "admin_listen": f"127.0.0.1:{self.admin_port}",
+                "router_listen": f"127.0.0.1:{self.router_port}",
+                "router": self.router_extra,
                 "heartbeat_interval_s": self.heartbeat_interval_s,
+                "reconcile_interval_s": 0.5,
+                "reconcile_settle_s": self.settle_s,
+                "stop_grace_s": 5.0,
                 "tls": {
                     "ca": str(self.pki / "ca.crt"),
                     "cert": str(self.pki / "server.crt"),
                     "key": str(self.pki / "server.key"),
                 },
+                "models": self.models,
             },
         )
-        for node in nodes:
-            self.write_agent_config(node)
 
     def write_agent_config(self, node: str, *, cert_node: str | None = None, **extra: Any) -> Path:
         cert_node = cert_node or node
@@ -163,8 +190,12 @@ class LocalCluster:
 
     def _write(self, name: str, body: Mapping[str, Any]) -> Path:
         path = self.root / name
-        # JSON is YAML: no dumper needed for a config file we generate.
-        path.write_text(json.dumps(body, indent=2) + "\n")
+        # JSON is YAML: no dumper needed for a config file we generate. Written
+        # whole and renamed, as an operator's editor would: a reload never
+        # sees half a file.
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        tmp.replace(path)
         return path
 
     def start_cp(self) -> Proc:
@@ -223,3 +254,19 @@ class LocalCluster:
         for proc in [*self.agents.values(), *([self.cp] if self.cp else [])]:
             if proc.alive():
                 proc.terminate()
+        self.kill_engines()
+
+    def kill_engines(self) -> list[int]:
+        """Engines outlive their agents by design; a test's must not outlive the test."""
+        from llmgw.agent import _procfs
+
+        killed = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            owner = _procfs.environ(int(entry.name)).get(_procfs.OWNER_ENV, "")
+            if owner.startswith(str(self.root.resolve())):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(int(entry.name), signal.SIGKILL)
+                    killed.append(int(entry.name))
+        return killed

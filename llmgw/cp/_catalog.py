@@ -1,0 +1,180 @@
+"""The catalog: what should run. The `models:` section of server.yaml.
+
+All validation happens here, with every error naming its path
+(`models[3].profiles[0].gpu_class: unknown class "h100-80"`). Each profile
+has a fingerprint that travels with its shards to the agent and back, so a
+replica started from an older profile shows as stale, also after a control
+plane restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+import attrs
+
+from llmgw import config, engines
+from llmgw.errors import ConfigError
+
+_CLASS = re.compile(r"^[a-z0-9][a-z0-9-]*-\d+g$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@attrs.define(kw_only=True, frozen=True)
+class Profile:
+    engine: str
+    gpu_class: str | None = None  # absent: CPU (only for engines that run without a card)
+    gpus_per_node: int | None = None  # default: 1 with a gpu_class, 0 without
+    nodes: int = 1
+    tp: int | None = None  # default: gpus_per_node x nodes / pp
+    pp: int = 1
+    multinode: str = "ray"
+    quantization: str | None = None
+    min_memory_gb: float | None = None
+    node_selector: dict[str, str] = attrs.field(factory=dict)
+    fabric: str | None = None
+    engine_args: list[str] = attrs.field(factory=list)
+    startup_timeout_s: float = 900.0
+    port_range: list[int] | None = None
+
+    @property
+    def cards(self) -> int:
+        if self.gpus_per_node is not None:
+            return self.gpus_per_node
+        return 1 if self.gpu_class else 0
+
+    @property
+    def tensor_parallel(self) -> int:
+        if self.tp is not None:
+            return self.tp
+        return max(1, self.cards * self.nodes // max(1, self.pp))
+
+
+@attrs.define(kw_only=True, frozen=True)
+class CatalogModel:
+    name: str
+    source: str  # a local path, a URL, a URL ending in / (multi-file), or a hub id
+    served_names: list[str] = attrs.field(factory=list)
+    replicas: int = 1
+    profiles: list[Profile]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What clients may ask for: the served names, else the model's name."""
+        return tuple(self.served_names) or (self.name,)
+
+
+@attrs.define(kw_only=True, frozen=True)
+class CatalogFile:
+    """The catalog's part of server.yaml (the rest is ServerConfig's)."""
+
+    models: list[CatalogModel] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class Catalog:
+    models: tuple[CatalogModel, ...] = ()
+
+    def model(self, name: str) -> CatalogModel | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def by_served_name(self) -> dict[str, CatalogModel]:
+        return {served: m for m in self.models for served in m.names}
+
+
+def fingerprint(model: CatalogModel, profile: Profile) -> str:
+    """Changes exactly when what a shard of this profile would run changes."""
+    body = {
+        "source": model.source,
+        "served_names": list(model.names),
+        "profile": config.unstructure(profile),
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def engine_profile(model: CatalogModel, profile: Profile) -> engines.EngineProfile:
+    port_range = tuple(profile.port_range) if profile.port_range else None
+    return engines.EngineProfile(
+        engine=profile.engine,  # type: ignore[arg-type]  # checked by validate_catalog
+        model=model.source,
+        served_names=model.names,
+        gpu_class=profile.gpu_class,
+        gpus_per_node=profile.cards,
+        nodes=profile.nodes,
+        tp=profile.tensor_parallel,
+        pp=profile.pp,
+        multinode=profile.multinode,  # type: ignore[arg-type]
+        quantization=profile.quantization,
+        engine_args=tuple(profile.engine_args),
+        port_range=port_range,  # type: ignore[arg-type]
+    )
+
+
+def validate_catalog(catalog: Catalog, source: str) -> None:
+    problems: list[str] = []
+    names: set[str] = set()
+    served: dict[str, str] = {}
+    for i, m in enumerate(catalog.models):
+        where = f"models[{i}]"
+        if not _NAME.match(m.name):
+            problems.append(f"{where}.name: {m.name!r}: use letters, digits, '.', '_', '-'")
+        if m.name in names:
+            problems.append(f"{where}.name: {m.name!r} is defined twice")
+        names.add(m.name)
+        for name in m.names:
+            if name in served and served[name] != m.name:
+                problems.append(
+                    f"{where}.served_names: {name!r} is also served by model {served[name]!r}"
+                )
+            served[name] = m.name
+        if not m.source:
+            problems.append(f"{where}.source: empty")
+        if m.replicas < 0:
+            problems.append(f"{where}.replicas: {m.replicas} is negative")
+        if not m.profiles:
+            problems.append(f"{where}.profiles: at least one profile is needed")
+        for j, p in enumerate(m.profiles):
+            problems += _profile_problems(m, p, f"{where}.profiles[{j}]")
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
+
+
+def _profile_problems(model: CatalogModel, p: Profile, where: str) -> list[str]:
+    problems = []
+    if p.engine not in engines.ENGINES:
+        known = ", ".join(engines.ENGINES)
+        return [f"{where}.engine: unknown engine {p.engine!r} (known: {known})"]
+    if p.gpu_class is not None and not _CLASS.match(p.gpu_class):
+        problems.append(
+            f"{where}.gpu_class: unknown class {p.gpu_class!r} "
+            "(a class is the card and its size in GiB, e.g. h100-80g, l40s-45g)"
+        )
+    if p.multinode not in ("ray", "native"):
+        problems.append(f"{where}.multinode: {p.multinode!r}: use ray or native")
+    if p.nodes > 1 and p.engine == "llama-server":
+        pass  # engines.validate names it below
+    if p.port_range is not None and (
+        len(p.port_range) != 2 or not 0 < p.port_range[0] <= p.port_range[1] < 65536
+    ):
+        problems.append(f"{where}.port_range: {p.port_range} is not [first, last] ports")
+    if p.startup_timeout_s <= 0:
+        problems.append(f"{where}.startup_timeout_s: must be positive")
+    if problems:
+        return problems
+    try:
+        engines.validate(engine_profile(model, p))
+    except engines.EngineConfigError as exc:
+        problems += [f"{where}: {problem}" for problem in exc.problems]
+    return problems
+
+
+def parse(data: Any, source: str) -> Catalog:
+    """The catalog from server.yaml's parsed data (other keys are ServerConfig's)."""
+    models = data.get("models", []) if isinstance(data, dict) else []
+    parsed = config.structure({"models": models}, CatalogFile, source)
+    catalog = Catalog(models=tuple(parsed.models))
+    validate_catalog(catalog, source)
+    return catalog

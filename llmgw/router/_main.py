@@ -1,0 +1,362 @@
+"""Router-only mode: the router alone, in front of a static list of endpoints.
+
+    llmgw-router --config router.yaml          serve
+    llmgw-router keys --db keys.db create --tenant acme [--model M ...] [--band B] [--max-band B]
+    llmgw-router keys --db keys.db list
+    llmgw-router keys --db keys.db revoke KEY_ID
+
+router.yaml:
+
+    listen: 0.0.0.0:8080
+    metrics_listen: 127.0.0.1:9090        # optional: Prometheus /metrics
+    endpoints:
+      - {model: chat, engine: vllm, url: "http://10.0.0.5:8000", slots: 256}
+    keys:                                 # and/or keys_db: /var/lib/llmgw/keys.db
+      - {key: "llmgw-...", tenant: acme, models: [chat], default_band: interactive}
+    # and any RouterConfig field: retries, idle_timeout_s, bands, queue_limit, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+import hypercorn.config
+import hypercorn.trio
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
+
+from llmgw import config
+from llmgw._process import run_service, setup_logging
+from llmgw.errors import ConfigError, LlmgwError
+from llmgw.router import _server
+from llmgw.router._keys import ApiKey, CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
+from llmgw.router._router import Router, RouterConfig
+from llmgw.router._types import Endpoint, StaticEndpoints
+
+log = logging.getLogger("llmgw.router")
+
+ENGINES = ("vllm", "sglang", "llama-server")
+DEFAULT_LISTEN = config.HostPort("0.0.0.0:8080")
+
+
+@attrs.define(kw_only=True, frozen=True)
+class EndpointDecl:
+    model: str
+    engine: str
+    url: str
+    slots: int | None = None
+    id: str | None = None
+
+
+@attrs.define(kw_only=True, frozen=True)
+class KeyDecl:
+    key: str
+    tenant: str
+    models: list[str] | None = None
+    default_band: str = "interactive"
+    max_band: str | None = None
+    name: str = ""
+    id: str | None = None
+
+
+@attrs.define(kw_only=True, frozen=True)
+class RouterFile:
+    listen: config.HostPort = DEFAULT_LISTEN
+    metrics_listen: config.HostPort | None = None
+    endpoints: list[EndpointDecl] = attrs.field(factory=list)
+    keys: list[KeyDecl] = attrs.field(factory=list)
+    keys_db: Path | None = None
+    log_level: str | None = None
+    # "lean": llmgw's own HTTP/1.1 server (see _server.py; about twice the requests per
+    # core); "hypercorn": the ASGI server the control plane's other listeners use.
+    server: str = "lean"
+
+
+def load(path: Path) -> tuple[RouterFile, RouterConfig, list[Endpoint]]:
+    """Read router.yaml; a ConfigError lists every problem with its path."""
+    try:
+        data = YAML(typ="safe", pure=True).load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse(data, str(path))
+
+
+def parse(data: Any, source: str) -> tuple[RouterFile, RouterConfig, list[Endpoint]]:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    router_fields = {a.name for a in attrs.fields(RouterConfig)}
+    own = {k: v for k, v in data.items() if k not in router_fields}
+    rest = {k: v for k, v in data.items() if k in router_fields}
+    problems: list[str] = []
+    file_cfg: RouterFile | None = None
+    router_cfg: RouterConfig | None = None
+    try:
+        file_cfg = config.structure(own, RouterFile, source)
+    except ConfigError as exc:
+        problems.extend(str(exc).splitlines())
+    try:
+        router_cfg = config.structure(rest, RouterConfig, source)
+    except ConfigError as exc:
+        problems.extend(str(exc).splitlines())
+    endpoints: list[Endpoint] = []
+    if file_cfg is not None:
+        seen: set[str] = set()
+        for i, decl in enumerate(file_cfg.endpoints):
+            where = f"{source}: endpoints[{i}]"
+            if decl.engine not in ENGINES:
+                problems.append(
+                    f"{where}.engine: {decl.engine!r} is not one of {', '.join(ENGINES)}"
+                )
+            url = urlsplit(decl.url)
+            try:
+                port = url.port
+            except ValueError:
+                port = None
+            if url.scheme != "http" or not url.hostname or port is None:
+                problems.append(
+                    f"{where}.url: expected http://HOST:PORT (the engine's own address), "
+                    f"got {decl.url!r}"
+                )
+                continue
+            eid = decl.id or f"{decl.model}@{url.hostname}:{port}"
+            if eid in seen:
+                problems.append(f"{where}: endpoint {eid} is listed twice")
+            seen.add(eid)
+            endpoints.append(Endpoint(eid, decl.model, decl.engine, url.hostname, port, decl.slots))
+        if file_cfg.server not in ("lean", "hypercorn"):
+            problems.append(f"{source}: server: {file_cfg.server!r} is not lean or hypercorn")
+        if not file_cfg.keys and file_cfg.keys_db is None:
+            problems.append(f"{source}: keys or keys_db: the router needs API keys to admit anyone")
+        if router_cfg is not None:
+            bands = {b.name for b in router_cfg.bands}
+            for i, k in enumerate(file_cfg.keys):
+                for field, value in (("default_band", k.default_band), ("max_band", k.max_band)):
+                    if value is not None and value not in bands:
+                        problems.append(
+                            f"{source}: keys[{i}].{field}: no band {value!r} "
+                            f"(the bands are {', '.join(sorted(bands))})"
+                        )
+    if problems:
+        raise ConfigError("\n".join(problems))
+    assert file_cfg is not None and router_cfg is not None
+    return file_cfg, router_cfg, endpoints
+
+
+def static_keys(decls: list[KeyDecl]) -> StaticKeys:
+    return StaticKeys(
+        (
+            d.key,
+            ApiKey(
+                key_id=d.id or f"static-{i}",
+                tenant=d.tenant,
+                models=None if d.models is None else frozenset(d.models),
+                default_band=d.default_band,
+                max_band=d.max_band or d.default_band,
+                created_at=0.0,
+                name=d.name,
+            ),
+        )
+        for i, d in enumerate(decls)
+    )
+
+
+class _ChainedKeys:
+    """Keys from the file first, then the database."""
+
+    def __init__(self, first: StaticKeys, then: KeyStore) -> None:
+        self._first = first
+        self._then = then
+
+    async def create(self, **kw: Any) -> tuple[ApiKey, str]:
+        return await self._then.create(**kw)
+
+    async def list(self) -> list[ApiKey]:
+        return [*(await self._first.list()), *(await self._then.list())]
+
+    async def revoke(self, key_id: str) -> bool:
+        return await self._then.revoke(key_id)
+
+    async def lookup(self, secret: str) -> ApiKey | None:
+        return self._first.lookup_now(secret) or await self._then.lookup(secret)
+
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+def metrics_app(router: Router) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """`GET /metrics` (Prometheus text) and `GET /healthz`; rendered on the event loop."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics":
+            body, ctype = generate_latest(router.metrics_registry), CONTENT_TYPE_LATEST
+            status = 200
+        elif scope["path"] == "/healthz":
+            body, ctype, status = b'{"status":"ok"}', "application/json", 200
+        else:
+            body, ctype, status = b"not found\n", "text/plain", 404
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", ctype.encode()),
+                    (b"content-length", b"%d" % len(body)),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def _hypercorn(bind: str) -> hypercorn.config.Config:
+    hc = hypercorn.config.Config()
+    hc.bind = [bind]
+    hc.accesslog = None
+    hc.graceful_timeout = 1.0
+    hc.keep_alive_timeout = 75.0  # longer than common client pools keep idle connections
+    # hypercorn closes a connection after 1,000 requests by default: a needless reconnect
+    # (and a lost request for clients that pipeline) at thousands of requests per second.
+    hc.keep_alive_max_requests = 1_000_000
+    return hc
+
+
+async def serve(
+    file_cfg: RouterFile,
+    router_cfg: RouterConfig,
+    endpoints: list[Endpoint],
+    *,
+    task_status: trio.TaskStatus[Router] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    keys: KeyStore = static_keys(file_cfg.keys)
+    db: SqliteKeyStore | None = None
+    if file_cfg.keys_db is not None:
+        db = SqliteKeyStore(file_cfg.keys_db)
+        keys = _ChainedKeys(static_keys(file_cfg.keys), db) if file_cfg.keys else db
+    router = Router(
+        router_cfg, StaticEndpoints(endpoints), CachedKeys(keys, router_cfg.key_cache_ttl_s)
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(router.run)
+            if file_cfg.server == "hypercorn":
+                await nursery.start(hypercorn.trio.serve, router.app, _hypercorn(file_cfg.listen))
+            else:
+                host, port = config.split_host_port(file_cfg.listen)
+                await nursery.start(_server.serve, router.app, host, port)
+            if file_cfg.metrics_listen:
+                host, port = config.split_host_port(file_cfg.metrics_listen)
+                await nursery.start(_server.serve, metrics_app(router), host, port)
+            log.info(
+                "router listening on http://%s for %d endpoints of %d models%s",
+                file_cfg.listen,
+                len(endpoints),
+                len({e.model for e in endpoints}),
+                f"; metrics on http://{file_cfg.metrics_listen}/metrics"
+                if file_cfg.metrics_listen
+                else "",
+            )
+            task_status.started(router)
+    finally:
+        router.close()
+        if db is not None:
+            db.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["keys"]:
+        return keys_main(args[1:])
+    parser = argparse.ArgumentParser(prog="llmgw-router", description="the llmgw router, alone")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=Path(os.environ.get("LLMGW_ROUTER_CONFIG", "/etc/llmgw/router.yaml")),
+        help="router.yaml (default: $LLMGW_ROUTER_CONFIG or /etc/llmgw/router.yaml)",
+    )
+    parser.add_argument("--log-level", default=None)
+    ns = parser.parse_args(args)
+    try:
+        file_cfg, router_cfg, endpoints = load(ns.config)
+    except ConfigError as exc:
+        setup_logging(ns.log_level)
+        print(f"llmgw-router: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(ns.log_level or file_cfg.log_level)
+    return run_service("llmgw-router", lambda: serve(file_cfg, router_cfg, endpoints))
+
+
+def keys_main(argv: list[str]) -> int:
+    """Manage the keys in a router-only keys database (the control plane has `llmgw ctl keys`)."""
+    parser = argparse.ArgumentParser(prog="llmgw-router keys")
+    parser.add_argument("--db", type=Path, required=True, help="the keys database (keys_db)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    create = sub.add_parser("create", help="create a key; its secret is shown once")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--model", action="append", dest="models", help="repeat; default: all")
+    create.add_argument("--band", default="interactive", help="default priority band")
+    create.add_argument("--max-band", default=None, help="highest band it may ask for")
+    create.add_argument("--name", default="")
+    sub.add_parser("list", help="list keys (never their secrets)")
+    revoke = sub.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("key_id")
+    ns = parser.parse_args(argv)
+    store = SqliteKeyStore(ns.db)
+
+    async def run() -> int:
+        if ns.command == "create":
+            key, secret = await store.create(
+                tenant=ns.tenant,
+                models=ns.models,
+                default_band=ns.band,
+                max_band=ns.max_band,
+                name=ns.name,
+            )
+            print(f"{key.key_id}\t{secret}")
+            print("the secret is shown only now; keep it safe", file=sys.stderr)
+            return 0
+        if ns.command == "list":
+            for k in await store.list():
+                models = ",".join(sorted(k.models)) if k.models is not None else "*"
+                state = "revoked" if k.revoked else "active"
+                print(f"{k.key_id}\t{k.tenant}\t{models}\t{k.default_band}\t{k.max_band}\t{state}")
+            return 0
+        if await store.revoke(ns.key_id):
+            print(f"revoked {ns.key_id}")
+            return 0
+        print(f"no key {ns.key_id}", file=sys.stderr)
+        return 1
+
+    try:
+        return trio.run(run)
+    except LlmgwError as exc:
+        print(f"llmgw-router keys: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()

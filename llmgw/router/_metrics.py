@@ -1,0 +1,243 @@
+"""The router's Prometheus metrics.
+
+Counters and histograms are updated per request through cached children (a
+`labels()` call per update would cost more than the rest of the bookkeeping).
+Gauges of state (queue depth, in-flight counts, breaker states, the scoring
+inputs) are read from the router when Prometheus scrapes, so a request pays
+nothing for them. A figure that is unknown (an engine that does not report it,
+or a reading older than the scorer believes) is left out, never exported as 0.
+
+Names: `llmgw_router_` prefix, base units (seconds, ratios), `_total` counters.
+The `model` label is only ever a served name the router knows (or empty), so a
+client cannot grow the label set by asking for made-up models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import trio
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from llmgw.core._breaker import BreakerState
+
+if TYPE_CHECKING:
+    from llmgw.router._router import Router, _Exchange
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry, router: Router) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "llmgw_router_requests",
+            "Requests answered, by served model, HTTP status and priority band "
+            "(499: the client left first)",
+            ["model", "status", "band"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "llmgw_router_request_duration_seconds",
+            "Time from a request's arrival to the end of its answer",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "llmgw_router_time_to_first_token_seconds",
+            "Streamed requests: time from leaving the queue to the first body chunk",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "llmgw_router_prompt_tokens",
+            "Prompt tokens, where the engine reported usage",
+            ["model"],
+            registry=registry,
+        )
+        self.completion_tokens = Counter(
+            "llmgw_router_completion_tokens",
+            "Generated tokens, where the engine reported usage",
+            ["model"],
+            registry=registry,
+        )
+        self.wait = Histogram(
+            "llmgw_router_queue_wait_seconds",
+            "Time requests spent in the admission queue (0 when admitted at once)",
+            ["model", "band"],
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.refusals = Counter(
+            "llmgw_router_admission_refused",
+            "Requests refused by admission (429): queue_full or queue_timeout",
+            ["model", "band", "reason"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "llmgw_router_retries",
+            "Requests sent again to another endpoint before anything reached the client",
+            ["model"],
+            registry=registry,
+        )
+        self.failures = Counter(
+            "llmgw_router_upstream_failures",
+            "Failed attempts at an endpoint, by phase (connect, first_byte, idle, protocol, "
+            "status: a 5xx answer)",
+            ["model", "endpoint", "phase"],
+            registry=registry,
+        )
+        registry.register(_StateCollector(router))
+        self._req: dict[tuple[str, int, str], Any] = {}
+        self._dur: dict[str, Any] = {}
+        self._ttft: dict[str, Any] = {}
+        self._wait: dict[tuple[str, str], Any] = {}
+
+    def finished(self, ex: _Exchange, seconds: float) -> None:
+        key = (ex.model, ex.status, ex.band)
+        child = self._req.get(key)
+        if child is None:
+            child = self._req[key] = self.requests.labels(ex.model, str(ex.status), ex.band)
+        child.inc()
+        if not ex.model:
+            return
+        dur = self._dur.get(ex.model)
+        if dur is None:
+            dur = self._dur[ex.model] = self.duration.labels(ex.model)
+        dur.observe(seconds)
+        if ex.ttft is not None:
+            ttft = self._ttft.get(ex.model)
+            if ttft is None:
+                ttft = self._ttft[ex.model] = self.ttft.labels(ex.model)
+            ttft.observe(ex.ttft)
+
+    def queue_wait(self, model: str, band: str, seconds: float) -> None:
+        key = (model, band)
+        child = self._wait.get(key)
+        if child is None:
+            child = self._wait[key] = self.wait.labels(model, band)
+        child.observe(max(0.0, seconds))
+
+    def refused(self, model: str, band: str, reason: str) -> None:
+        self.refusals.labels(model, band, reason).inc()
+
+    def retried(self, model: str) -> None:
+        self.retries.labels(model).inc()
+
+    def upstream_failure(self, model: str, endpoint: str, phase: str) -> None:
+        self.failures.labels(model, endpoint, phase).inc()
+
+    def tokens(self, model: str, prompt: int | None, completion: int | None) -> None:
+        if prompt is not None:
+            self.prompt_tokens.labels(model).inc(prompt)
+        if completion is not None:
+            self.completion_tokens.labels(model).inc(completion)
+
+
+class _StateCollector(Collector):
+    """Gauges read from the router's state at scrape time."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        router = self._router
+        try:
+            now: float | None = trio.current_time()
+        except RuntimeError:  # scraped from a thread: no clock, so no freshness to judge
+            now = None
+        depth = GaugeMetricFamily(
+            "llmgw_router_queue_depth", "Requests waiting for admission", labels=["model", "band"]
+        )
+        in_flight = GaugeMetricFamily(
+            "llmgw_router_admitted_requests",
+            "Requests admitted and not finished, per model",
+            labels=["model"],
+        )
+        limit = GaugeMetricFamily(
+            "llmgw_router_concurrency_limit",
+            "Admission's concurrency limit per model",
+            labels=["model"],
+        )
+        ep_in_flight = GaugeMetricFamily(
+            "llmgw_router_endpoint_in_flight_requests",
+            "Requests this router has sent to the endpoint and not seen finish",
+            labels=["model", "endpoint"],
+        )
+        healthy = GaugeMetricFamily(
+            "llmgw_router_endpoint_healthy",
+            "1 while the endpoint's metrics answer (it gets requests), 0 after repeated misses",
+            labels=["model", "endpoint"],
+        )
+        breaker = GaugeMetricFamily(
+            "llmgw_router_endpoint_breaker_state",
+            "The endpoint's circuit breaker: 1 for its current state",
+            labels=["model", "endpoint", "state"],
+        )
+        running = GaugeMetricFamily(
+            "llmgw_router_endpoint_running_requests",
+            "Requests the engine reports running (left out when unknown or stale)",
+            labels=["model", "endpoint"],
+        )
+        waiting = GaugeMetricFamily(
+            "llmgw_router_endpoint_waiting_requests",
+            "Requests the engine reports waiting (left out when unknown or stale)",
+            labels=["model", "endpoint"],
+        )
+        kv = GaugeMetricFamily(
+            "llmgw_router_endpoint_kv_cache_usage_ratio",
+            "KV-cache use the engine reports, 0..1 (left out when unknown or stale)",
+            labels=["model", "endpoint"],
+        )
+        age = GaugeMetricFamily(
+            "llmgw_router_endpoint_scrape_age_seconds",
+            "Seconds since the endpoint's load was last read (left out before the first read)",
+            labels=["model", "endpoint"],
+        )
+        scoring = router.score_config()
+        for name, model in router.models().items():
+            stats = model.admission.statistics()
+            for band, n in stats["queued"].items():
+                depth.add_metric([name, band], n)
+            in_flight.add_metric([name], stats["in_flight"])
+            limit.add_metric([name], stats["concurrency"])
+            for s in model.endpoints:
+                labels = [name, s.endpoint.endpoint_id]
+                ep_in_flight.add_metric(labels, s.in_flight)
+                healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
+                for st in BreakerState:
+                    breaker.add_metric([*labels, st.value], 1.0 if s.breaker.state is st else 0.0)
+                if s.scraped_at is None or now is None:
+                    continue
+                age.add_metric(labels, max(0.0, now - s.scraped_at))
+                if now - s.scraped_at > scoring.stale_after_s:
+                    continue  # the scorer counts it as unknown; so do we
+                for family, value in ((running, s.running), (waiting, s.waiting), (kv, s.kv_usage)):
+                    if value is not None:
+                        family.add_metric(labels, value)
+        yield from (depth, in_flight, limit, ep_in_flight, healthy, breaker, running, waiting, kv)
+        yield age

@@ -1,0 +1,940 @@
+"""The router: one OpenAI-compatible endpoint in front of many replicas.
+
+Per request: authenticate (the key cache, no store round trip) -> read and
+check the body -> model known (404) and allowed for the key (403) -> priority
+band (header `X-LLMGW-Priority`, else the key's default, capped at the key's
+highest band) -> admission (concurrency limit and queue per model) -> choose
+an endpoint (scoring over scraped load and our own in-flight counts, breaker,
+optional session affinity) -> proxy, retrying on another endpoint only while
+nothing has reached the client -> pass status, headers and body chunks through
+as they arrive -> release everything and count.
+
+A client that goes away cancels the whole request: the admission slot or
+queue place is given back, and the upstream connection is closed so the
+engine cancels its generation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import attrs
+import trio
+from prometheus_client import CollectorRegistry
+
+from llmgw.core._admission import Admission, AdmissionConfig, Band, Queued, Reject
+from llmgw.core._breaker import Breaker, BreakerConfig
+from llmgw.core._scoring import EndpointLoad, ScoringConfig, choose
+from llmgw.router import _server
+from llmgw.router._keys import ApiKey, CachedKeys, KeyStore
+from llmgw.router._metrics import RouterMetrics
+from llmgw.router._scraper import EndpointState, Scraper
+from llmgw.router._types import Endpoint, EndpointSource
+from llmgw.router._upstream import (
+    ConnectFailed,
+    Response,
+    Timeouts,
+    UpstreamError,
+    UpstreamTimeout,
+)
+
+log = logging.getLogger("llmgw.router")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PRIORITY_HEADER = b"x-llmgw-priority"
+
+# Response headers that describe one hop's connection, not the message.
+_HOP_HEADERS = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"date",
+        b"server",
+    }
+)
+
+_ROUTES: dict[str, tuple[str, str]] = {
+    # path -> (kind, the field a request must carry besides "model")
+    "/v1/chat/completions": ("chat", "messages"),
+    "/v1/completions": ("completion", "prompt"),
+    "/v1/embeddings": ("embedding", "input"),
+}
+
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+DEFAULT_BANDS = (Band("interactive", 0, 30.0), Band("batch", 1, 120.0))
+
+
+def _default_bands() -> list[Band]:
+    return list(DEFAULT_BANDS)
+
+
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be a positive number, got {value}")
+
+
+def _non_negative(_: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be 0 or more, got {value}")
+
+
+@attrs.define(kw_only=True, frozen=True)
+class RouterConfig:
+    max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
+    retries: int = attrs.field(default=2, validator=_non_negative)
+    connect_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    # Request sent -> response head. A non-streamed completion's head comes only
+    # once it is generated, so this bounds the longest non-streamed generation.
+    first_byte_timeout_s: float = attrs.field(default=600.0, validator=_positive)
+    idle_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    scrape_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    stale_after_intervals: float = attrs.field(default=3.0, validator=_positive)
+    unhealthy_after_misses: int = attrs.field(default=3, validator=_positive)
+    bands: list[Band] = attrs.field(factory=_default_bands)
+    queue_limit: int = attrs.field(default=1024, validator=_non_negative)
+    # Per model; None: the sum of its endpoints' slots (slots_per_endpoint when unknown).
+    concurrency: int | None = attrs.field(default=None, validator=_positive)
+    slots_per_endpoint: int = attrs.field(default=64, validator=_positive)
+    affinity_header: str | None = None
+    breaker_failures: int = attrs.field(default=5, validator=_positive)
+    breaker_open_s: float = attrs.field(default=10.0, validator=_positive)
+    key_cache_ttl_s: float = attrs.field(default=30.0, validator=_positive)
+    upstream_keepalive_s: float = attrs.field(default=4.0, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        AdmissionConfig(
+            concurrency=1,
+            queue_limit=self.queue_limit,
+            bands=tuple(self.bands),
+        )
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before its request was read."""
+
+
+class HttpError(Exception):
+    """Answer the client with this status, in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        code: str,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.code = code
+        self.headers = headers
+
+
+class _Model:
+    """One served name: its endpoints and its admission."""
+
+    __slots__ = ("admission", "endpoints", "name")
+
+    def __init__(self, name: str, admission: Admission) -> None:
+        self.name = name
+        self.admission = admission
+        self.endpoints: tuple[EndpointState, ...] = ()
+
+
+class _Waiter:
+    __slots__ = ("admitted", "event", "retry_after_s")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.admitted = False
+        self.retry_after_s: float | None = None
+
+
+class _Exchange:
+    """Per-request bookkeeping the cleanup path reads."""
+
+    __slots__ = ("band", "client_gone", "complete", "model", "responded", "status", "ttft")
+
+    def __init__(self) -> None:
+        self.complete = False  # the last byte is being sent: a disconnect now is no news
+        self.model = ""
+        self.band = ""
+        self.status = 0
+        self.responded = False
+        self.client_gone = False
+        self.ttft: float | None = None
+
+
+class Router:
+    """The router. Serve `app` on an HTTP listener, run `run()` in a nursery beside it,
+    and serve `metrics_registry` on the admin listener's `/metrics`."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        endpoints: EndpointSource,
+        keys: KeyStore,
+        *,
+        registry: CollectorRegistry | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self._source = endpoints
+        self.keys = (
+            keys if isinstance(keys, CachedKeys) else CachedKeys(keys, config.key_cache_ttl_s)
+        )
+        self._rng = rng or random.Random()
+        self._bands = {b.name: b for b in config.bands}
+        self._timeouts = Timeouts(
+            connect_s=config.connect_timeout_s,
+            first_byte_s=config.first_byte_timeout_s,
+            idle_s=config.idle_timeout_s,
+        )
+        self._scoring = ScoringConfig(
+            scrape_interval_s=config.scrape_interval_s,
+            stale_after_intervals=config.stale_after_intervals,
+        )
+        self._breaker_config = BreakerConfig(
+            failure_threshold=config.breaker_failures, open_s=config.breaker_open_s
+        )
+        self._affinity = config.affinity_header.lower().encode() if config.affinity_header else None
+        self._models: dict[str, _Model] = {}
+        self._known: dict[str, _Model] = {}  # what the source lists now
+        self._states: dict[str, EndpointState] = {}
+        self._seen_version: int | None = None
+        self._waiters: dict[str, _Waiter] = {}
+        self._ids = itertools.count(1)
+        self.metrics_registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = RouterMetrics(self.metrics_registry, self)
+        self.scraper = Scraper(
+            lambda: list(self._states.values()),
+            interval_s=config.scrape_interval_s,
+            unhealthy_after=config.unhealthy_after_misses,
+        )
+        self.refresh()
+
+    def __repr__(self) -> str:
+        return f"<Router {len(self._known)} models, {len(self._states)} endpoints>"
+
+    # --- views ---------------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "models": {
+                name: {
+                    "admission": m.admission.statistics(),
+                    "endpoints": [s.endpoint.endpoint_id for s in m.endpoints],
+                }
+                for name, m in self._known.items()
+            },
+            "endpoints": {
+                eid: {
+                    "healthy": s.healthy,
+                    "in_flight": s.in_flight,
+                    "running": s.running,
+                    "waiting": s.waiting,
+                    "kv_usage": s.kv_usage,
+                    "scraped_at": s.scraped_at,
+                    "breaker": s.breaker.state.value,
+                    "pool": s.pool.statistics(),
+                }
+                for eid, s in self._states.items()
+            },
+            "waiting": len(self._waiters),
+            "keys": self.keys.statistics(),
+        }
+
+    def models(self) -> dict[str, _Model]:
+        self._maybe_refresh()
+        return self._known
+
+    def endpoint_states(self) -> dict[str, EndpointState]:
+        return self._states
+
+    def score_config(self) -> ScoringConfig:
+        return self._scoring
+
+    # --- the fleet's view ------------------------------------------------------------------
+
+    def _maybe_refresh(self) -> None:
+        if self._source.version != self._seen_version:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the endpoint source: new endpoints, gone ones, concurrency limits."""
+        self._seen_version = self._source.version
+        snapshot = self._source.snapshot()
+        now = trio.current_time() if _in_trio() else 0.0
+        states: dict[str, EndpointState] = {}
+        known: dict[str, _Model] = {}
+        for name, eps in snapshot.items():
+            model = self._models.get(name)
+            if model is None:
+                model = self._models[name] = _Model(name, self._new_admission(name))
+            model_states = []
+            for ep in eps:
+                state = self._states.get(ep.endpoint_id) or states.get(ep.endpoint_id)
+                if state is None or _moved(state.endpoint, ep):
+                    if state is not None:
+                        state.close()
+                    state = EndpointState(
+                        ep,
+                        Breaker(self._breaker_config, name=ep.endpoint_id),
+                        keepalive_s=self.config.upstream_keepalive_s,
+                    )
+                elif state.endpoint != ep:
+                    state.endpoint = ep
+                    if ep.slots is not None:
+                        state.slots = ep.slots
+                states[ep.endpoint_id] = state
+                model_states.append(state)
+            model.endpoints = tuple(model_states)
+            known[name] = model
+        for eid, state in self._states.items():
+            if eid not in states:
+                state.close()
+        for name, model in self._models.items():
+            if name not in known:
+                model.endpoints = ()
+            self._wake(model.admission.set_concurrency(self._concurrency(model), now))
+        self._states = states
+        self._known = known
+        log.debug("endpoints now: %s", {n: len(m.endpoints) for n, m in known.items()})
+
+    def _concurrency(self, model: _Model) -> int:
+        if not model.endpoints:
+            return 0
+        if self.config.concurrency is not None:
+            return self.config.concurrency
+        return sum(s.slots or self.config.slots_per_endpoint for s in model.endpoints)
+
+    def _new_admission(self, name: str) -> Admission:
+        cfg = AdmissionConfig(
+            concurrency=0,
+            queue_limit=self.config.queue_limit,
+            bands=tuple(self.config.bands),
+        )
+        return Admission(cfg, name=name)
+
+    # --- background ------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The scraper and the fleet watch; cancel to stop. Requests time out in the queue
+        on their own deadlines, so no admission timer is needed here."""
+        async with trio.open_nursery() as nursery:
+            self.refresh()
+            await nursery.start(self.scraper.run)
+            nursery.start_soon(self._watch_source)
+            task_status.started()
+
+    async def _watch_source(self) -> None:
+        # Requests re-read the source too; this catches changes while no request comes.
+        while True:
+            await trio.sleep(min(1.0, self.config.scrape_interval_s))
+            self._maybe_refresh()
+
+    def close(self) -> None:
+        for state in self._states.values():
+            state.close()
+
+    # --- ASGI ------------------------------------------------------------------------------
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await _lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        method = scope["method"]
+        route = _ROUTES.get(path)
+        ex = _Exchange()
+        start = time.perf_counter()
+        try:
+            if route is not None and method == "POST":
+                await self._inference(scope, receive, send, route, ex)
+            elif path == "/v1/models" and method == "GET":
+                await self._list_models(scope, send, ex)
+            elif path in ("/health", "/healthz") and method == "GET":
+                ex.status = 200
+                await _json(send, 200, {"status": "ok"})
+            elif route is not None or path == "/v1/models":
+                raise HttpError(
+                    405,
+                    f"{method} is not allowed on {path}",
+                    type="invalid_request_error",
+                    code="method_not_allowed",
+                )
+            else:
+                raise HttpError(
+                    404,
+                    f"no such API route: {method} {path}",
+                    type="invalid_request_error",
+                    code="unknown_url",
+                )
+        except HttpError as exc:
+            ex.status = exc.status
+            if not ex.responded:
+                await _error(send, exc)
+        except _ClientGone:
+            ex.status = 499
+        finally:
+            if ex.client_gone:
+                ex.status = 499  # nginx's "client closed request": the client left first
+            if route is not None or ex.status:
+                self.metrics.finished(ex, time.perf_counter() - start)
+
+    async def _list_models(self, scope: Scope, send: Send, ex: _Exchange) -> None:
+        key = await self._authenticate(scope)
+        created = 0
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
+            for name, model in sorted(self.models().items())
+            if key.may_use(name) and any(s.healthy for s in model.endpoints)
+        ]
+        ex.status = 200
+        await _json(send, 200, {"object": "list", "data": data})
+
+    async def _authenticate(self, scope: Scope) -> ApiKey:
+        token = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, rest = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    token = rest.strip().decode("latin-1")
+                break
+        if not token:
+            raise HttpError(
+                401,
+                "an API key is needed: Authorization: Bearer <key>",
+                type="authentication_error",
+                code="missing_api_key",
+            )
+        key = await self.keys.lookup(token)
+        if key is None:
+            raise HttpError(
+                401,
+                "the API key is not valid (unknown or revoked)",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        return key
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.config.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > limit:
+                    raise _too_large(limit)
+                break
+        chunks = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _parse(self, body: bytes, required: str) -> tuple[dict[str, Any], str]:
+        try:
+            request = json.loads(body)
+        except ValueError as exc:
+            raise HttpError(
+                400,
+                f"the request body is not JSON: {exc}",
+                type="invalid_request_error",
+                code="invalid_json",
+            ) from None
+        if not isinstance(request, dict):
+            raise HttpError(
+                400,
+                "the request body must be a JSON object",
+                type="invalid_request_error",
+                code="invalid_json",
+            )
+        model = request.get("model")
+        if not isinstance(model, str) or not model:
+            raise HttpError(
+                400,
+                "model: required, a string naming a served model (see GET /v1/models)",
+                type="invalid_request_error",
+                code="missing_field",
+            )
+        if required not in request:
+            raise HttpError(
+                400,
+                f"{required}: required",
+                type="invalid_request_error",
+                code="missing_field",
+            )
+        return request, model
+
+    def _band(self, scope: Scope, key: ApiKey) -> Band:
+        asked: str | None = None
+        for name, value in scope["headers"]:
+            if name == PRIORITY_HEADER:
+                asked = value.decode("latin-1").strip()
+                break
+        name = asked or key.default_band
+        band = self._bands.get(name)
+        if band is None:
+            known = ", ".join(self._bands)
+            if asked:
+                raise HttpError(
+                    400,
+                    f"X-LLMGW-Priority: no band {asked!r}; the bands are {known}",
+                    type="invalid_request_error",
+                    code="unknown_band",
+                )
+            raise HttpError(
+                403,
+                f"API key {key.key_id}: its default band {name!r} is not configured "
+                f"(the bands are {known})",
+                type="permission_error",
+                code="unknown_band",
+            )
+        cap = self._bands.get(key.max_band)
+        if cap is not None and band.rank < cap.rank:
+            band = cap
+        return band
+
+    async def _inference(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: tuple[str, str],
+        ex: _Exchange,
+    ) -> None:
+        key = await self._authenticate(scope)
+        body = await self._read_body(scope, receive)
+        request, name = self._parse(body, route[1])
+        model = self.models().get(name)
+        if model is None:
+            raise HttpError(
+                404,
+                f"the model {name!r} does not exist (see GET /v1/models)",
+                type="invalid_request_error",
+                code="model_not_found",
+            )
+        ex.model = name
+        if not key.may_use(name):
+            raise HttpError(
+                403,
+                f"API key {key.key_id} may not use the model {name!r}",
+                type="permission_error",
+                code="model_not_allowed",
+            )
+        band = self._band(scope, key)
+        ex.band = band.name
+        if not model.endpoints:
+            raise _no_replica(name)
+        stream = request.get("stream") is True
+        affinity = None
+        if self._affinity is not None:
+            for hname, value in scope["headers"]:
+                if hname == self._affinity:
+                    affinity = value.decode("latin-1")
+                    break
+
+        args = (model, key.tenant, band, scope["path"], body, stream, affinity, send, ex)
+        if _server.EXTENSION in scope.get("extensions", ()):
+            # The server cancels this task when the client leaves: no watcher needed.
+            try:
+                await self._admitted(*args)
+            except trio.Cancelled:
+                ex.client_gone = not ex.complete
+                raise
+            return
+        failed: HttpError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, ex)
+            try:
+                await self._admitted(*args)
+            except HttpError as exc:  # raised out of the nursery, it would come in a group
+                failed = exc
+            finally:
+                nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
+
+    async def _admitted(
+        self,
+        model: _Model,
+        tenant: str,
+        band: Band,
+        path: str,
+        body: bytes,
+        stream: bool,
+        affinity: str | None,
+        send: Send,
+        ex: _Exchange,
+    ) -> None:
+        adm = model.admission
+        req_id = str(next(self._ids))
+        now = trio.current_time()
+        decision = adm.request(req_id, tenant, band.name, now)
+        if type(decision) is Reject:
+            self.metrics.refused(model.name, band.name, "queue_full")
+            raise _over_capacity(decision.reason, decision.retry_after_s)
+        try:
+            if type(decision) is Queued:
+                await self._queue(model, req_id, band, decision, now)
+            self.metrics.queue_wait(model.name, band.name, trio.current_time() - now)
+            await self._proxy(model, path, body, stream, affinity, send, ex)
+        finally:
+            self._wake(adm.withdraw(req_id, trio.current_time()))
+
+    async def _queue(
+        self, model: _Model, req_id: str, band: Band, queued: Queued, now: float
+    ) -> None:
+        waiter = self._waiters[req_id] = _Waiter()
+        try:
+            with trio.move_on_at(queued.deadline):
+                await waiter.event.wait()
+            if not waiter.admitted and waiter.retry_after_s is None:
+                for rid, retry_after in model.admission.expire(trio.current_time()):
+                    other = self._waiters.pop(rid, None)
+                    if other is not None:
+                        other.retry_after_s = retry_after
+                        other.event.set()
+                if waiter.retry_after_s is None and not waiter.admitted:
+                    # Not expired by the admission's clock (rounding): the timeout is ours.
+                    waiter.retry_after_s = model.admission.retry_after(band.name)
+        finally:
+            self._waiters.pop(req_id, None)
+        if not waiter.admitted:
+            self.metrics.refused(model.name, band.name, "queue_timeout")
+            self.metrics.queue_wait(model.name, band.name, trio.current_time() - now)
+            raise _over_capacity(
+                f"waited {band.queue_timeout_s:g} s (the {band.name} band's queue timeout) "
+                f"for capacity on {model.name}",
+                waiter.retry_after_s or 1.0,
+            )
+
+    def _wake(self, admitted: tuple[str, ...]) -> None:
+        for rid in admitted:
+            waiter = self._waiters.pop(rid, None)
+            if waiter is not None:
+                waiter.admitted = True
+                waiter.event.set()
+
+    def _choose(
+        self, model: _Model, now: float, affinity: str | None, tried: set[str]
+    ) -> EndpointState | None:
+        candidates = [s for s in model.endpoints if s.endpoint.endpoint_id not in tried]
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            only = candidates[0]
+            ok = only.healthy and only.breaker.would_allow(now)
+            return only if ok else None
+        loads = [
+            EndpointLoad(
+                endpoint_id=s.endpoint.endpoint_id,
+                healthy=s.healthy,
+                allowed=s.breaker.would_allow(now),
+                in_flight=s.in_flight,
+                waiting=s.waiting,
+                running=s.running,
+                kv_usage=s.kv_usage,
+                scraped_at=s.scraped_at,
+                slots=s.slots,
+            )
+            for s in candidates
+        ]
+        chosen = choose(loads, now, self._rng, self._scoring, affinity)
+        if chosen is None:
+            return None
+        return self._states.get(chosen)
+
+    async def _proxy(
+        self,
+        model: _Model,
+        path: str,
+        body: bytes,
+        stream: bool,
+        affinity: str | None,
+        send: Send,
+        ex: _Exchange,
+    ) -> None:
+        tried: set[str] = set()
+        last: HttpError | None = None
+        start = trio.current_time()
+        for attempt in range(self.config.retries + 1):
+            now = trio.current_time()
+            state = self._choose(model, now, affinity, tried)
+            if state is None:
+                break
+            if attempt:
+                self.metrics.retried(model.name)
+            eid = state.endpoint.endpoint_id
+            tried.add(eid)
+            breaker = state.breaker
+            if not breaker.allow(now):
+                continue  # lost the half-open probe to another request since choosing
+            final = attempt == self.config.retries
+            state.in_flight += 1
+            verdict = False
+            try:
+                try:
+                    resp = await state.pool.request(
+                        b"POST",
+                        path.encode(),
+                        body,
+                        headers=((b"content-type", b"application/json"),),
+                        timeouts=self._timeouts,
+                    )
+                except UpstreamError as exc:
+                    breaker.failure(trio.current_time())
+                    verdict = True
+                    self.metrics.upstream_failure(model.name, eid, exc.phase)
+                    log.info("request to %s failed (%s): %s", eid, exc.phase, exc)
+                    last = _upstream_error(model.name, exc)
+                    if exc.before_response:
+                        continue
+                    raise last from None
+                try:
+                    if resp.status >= 500:
+                        breaker.failure(trio.current_time())
+                        verdict = True
+                        self.metrics.upstream_failure(model.name, eid, "status")
+                        again = self._choose(model, trio.current_time(), affinity, tried)
+                        if not final and again is not None:
+                            log.info("%s answered %d; trying another endpoint", eid, resp.status)
+                            resp.close()
+                            continue
+                    else:
+                        breaker.success(trio.current_time())
+                        verdict = True
+                    await self._relay(resp, stream, send, ex, start)
+                finally:
+                    resp.close()
+                return
+            finally:
+                state.in_flight -= 1
+                if not verdict:
+                    breaker.cancel(trio.current_time())
+        if last is not None:
+            raise last
+        raise _no_replica(model.name, reachable=bool(model.endpoints))
+
+    async def _relay(
+        self, resp: Response, stream: bool, send: Send, ex: _Exchange, start: float
+    ) -> None:
+        headers = [(k, v) for k, v in resp.headers if k not in _HOP_HEADERS]
+        ex.status = resp.status
+        if not stream or resp.header(b"content-length") is not None:
+            # A whole answer (the engine has finished before sending its head): one write.
+            try:
+                data = await resp.read()
+            except UpstreamError as exc:
+                raise _upstream_error(ex.model, exc) from None
+            if resp.status == 200:
+                self._count_usage(ex.model, data)
+            ex.responded = True
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            ex.complete = True
+            await send({"type": "http.response.body", "body": data})
+            return
+        ex.responded = True
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        first = True
+        usage_seen = False
+        while True:
+            try:
+                chunk = await resp.next_chunk()
+            except UpstreamError as exc:
+                # Too late to retry or to change the status: tell an SSE client in its
+                # own terms, then cut the connection so no client takes it for complete.
+                ex.status = 502 if not isinstance(exc, UpstreamTimeout) else 504
+                log.warning("%s: stream broken mid-response: %s", ex.model, exc)
+                message = {
+                    "error": {
+                        "message": f"the model's replica failed mid-response: {exc}",
+                        "type": "upstream_error",
+                        "code": exc.phase,
+                    }
+                }
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"data: " + json.dumps(message).encode() + b"\n\n",
+                        "more_body": True,
+                    }
+                )
+                return  # returning mid-body makes hypercorn close the connection
+            if chunk is None:
+                break
+            if first:
+                first = False
+                ex.ttft = trio.current_time() - start
+            if not usage_seen and b'"usage"' in chunk and b'"prompt_tokens"' in chunk:
+                usage_seen = self._count_usage(ex.model, chunk)
+            if resp.done:
+                ex.complete = True
+                await send({"type": "http.response.body", "body": chunk})
+                return
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        ex.complete = True
+        await send({"type": "http.response.body", "body": b""})
+
+    def _count_usage(self, model: str, data: bytes) -> bool:
+        pos = data.rfind(b'"usage"')
+        if pos < 0:
+            return False
+        tail = data[pos:]
+        p = _PROMPT_TOKENS.search(tail)
+        c = _COMPLETION_TOKENS.search(tail)
+        if p is None and c is None:
+            return False
+        self.metrics.tokens(model, int(p.group(1)) if p else None, int(c.group(1)) if c else None)
+        return True
+
+
+def _in_trio() -> bool:
+    try:
+        trio.current_time()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _moved(old: Endpoint, new: Endpoint) -> bool:
+    return (old.host, old.port, old.engine) != (new.host, new.port, new.engine)
+
+
+async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, ex: _Exchange) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not ex.complete:
+                ex.client_gone = True
+                scope.cancel()
+            return
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _json(
+    send: Send, status: int, body: Any, headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
+    data = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(data)),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _error(send: Send, exc: HttpError) -> None:
+    body = {"error": {"message": str(exc), "type": exc.type, "code": exc.code, "param": None}}
+    await _json(send, exc.status, body, exc.headers)
+
+
+def _too_large(limit: int) -> HttpError:
+    return HttpError(
+        413,
+        f"the request body is over the limit of {limit} bytes",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
+
+
+def _no_replica(model: str, *, reachable: bool = False) -> HttpError:
+    detail = (
+        "no replica of it is ready"
+        if not reachable
+        else "none of its replicas can take a request now (unhealthy or circuit open)"
+    )
+    return HttpError(
+        503,
+        f"the model {model!r} is not available: {detail}",
+        type="service_unavailable",
+        code="no_ready_replica",
+        headers=((b"retry-after", b"5"),),
+    )
+
+
+def _over_capacity(reason: str, retry_after_s: float) -> HttpError:
+    seconds = max(1, math.ceil(retry_after_s))
+    return HttpError(
+        429,
+        f"over capacity: {reason}; retry after {seconds} s",
+        type="rate_limit_error",
+        code="over_capacity",
+        headers=((b"retry-after", b"%d" % seconds),),
+    )
+
+
+def _upstream_error(model: str, exc: UpstreamError) -> HttpError:
+    if isinstance(exc, ConnectFailed):
+        return HttpError(
+            503,
+            f"the model {model!r} is not available: no replica could be reached ({exc})",
+            type="service_unavailable",
+            code="no_ready_replica",
+            headers=((b"retry-after", b"5"),),
+        )
+    if isinstance(exc, UpstreamTimeout):
+        return HttpError(
+            504,
+            f"the model {model!r}'s replica did not answer in time: {exc}",
+            type="upstream_error",
+            code="upstream_timeout",
+        )
+    return HttpError(
+        502,
+        f"the model {model!r}'s replica failed: {exc}",
+        type="upstream_error",
+        code="upstream_failed",
+    )

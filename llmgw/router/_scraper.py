@@ -1,0 +1,185 @@
+"""Each endpoint's load, read from its engine's `/metrics` (and llama.cpp's `/slots`).
+
+Every `interval_s` every endpoint is read at once, each reading bounded by
+`timeout_s`. A reading carries the clock value it was taken at; the scorer
+treats one older than a few intervals as unknown, never as idle. An endpoint
+that misses `unhealthy_after` readings in a row (refused, timed out, 5xx) is
+marked unhealthy and gets no requests until a reading succeeds again; both
+changes are logged with the endpoint and the reason.
+
+An engine that answers but publishes no metrics (SGLang without
+`--enable-metrics` is 404, llama-server without `--metrics` is 501) is alive:
+its load stays unknown and it stays healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+
+import trio
+
+from llmgw import engines
+from llmgw.core._breaker import Breaker
+from llmgw.router._types import Endpoint
+from llmgw.router._upstream import Pool, UpstreamError
+
+log = logging.getLogger("llmgw.router.scraper")
+
+
+class EndpointState:
+    """What the router knows about one endpoint: its pools, breaker, own count and load."""
+
+    __slots__ = (
+        "breaker",
+        "endpoint",
+        "healthy",
+        "in_flight",
+        "kv_usage",
+        "last_error",
+        "misses",
+        "no_metrics_logged",
+        "pool",
+        "running",
+        "scrape_pool",
+        "scraped_at",
+        "slots",
+        "waiting",
+    )
+
+    def __init__(self, endpoint: Endpoint, breaker: Breaker, keepalive_s: float = 4.0) -> None:
+        self.endpoint = endpoint
+        self.pool = Pool(endpoint.host, endpoint.port, keepalive_s=keepalive_s)
+        self.scrape_pool = Pool(endpoint.host, endpoint.port, keepalive_s=keepalive_s, max_idle=1)
+        self.breaker = breaker
+        self.in_flight = 0
+        self.running: float | None = None
+        self.waiting: float | None = None
+        self.kv_usage: float | None = None
+        self.scraped_at: float | None = None
+        self.slots: int | None = endpoint.slots
+        self.healthy = True
+        self.misses = 0
+        self.last_error: str | None = None
+        self.no_metrics_logged = False
+
+    def __repr__(self) -> str:
+        e = self.endpoint
+        return (
+            f"<EndpointState {e.endpoint_id} {e.model} {e.authority} "
+            f"{'healthy' if self.healthy else 'unhealthy'} in_flight={self.in_flight} "
+            f"running={self.running} waiting={self.waiting} kv={self.kv_usage} "
+            f"breaker={self.breaker.state.value}>"
+        )
+
+    def close(self) -> None:
+        self.pool.close()
+        self.scrape_pool.close()
+
+
+class Scraper:
+    def __init__(
+        self,
+        states: Callable[[], Iterable[EndpointState]],
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float | None = None,
+        unhealthy_after: int = 3,
+    ) -> None:
+        self._states = states
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s if timeout_s is not None else interval_s
+        self.unhealthy_after = unhealthy_after
+        self.rounds = 0
+
+    def __repr__(self) -> str:
+        return f"<Scraper every {self.interval_s:g} s, {self.rounds} rounds>"
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        next_at = trio.current_time()
+        while True:
+            async with trio.open_nursery() as nursery:
+                for state in list(self._states()):
+                    nursery.start_soon(self.scrape, state)
+            self.rounds += 1
+            next_at = max(next_at + self.interval_s, trio.current_time())
+            await trio.sleep_until(next_at)
+
+    async def scrape(self, state: EndpointState) -> None:
+        """One reading of one endpoint; never raises for the endpoint's faults."""
+        e = state.endpoint
+        try:
+            names = engines.metric_names(e.engine)
+        except Exception:
+            names = None
+        try:
+            with trio.fail_after(self.timeout_s):
+                status, body = await state.scrape_pool.get(b"/metrics", self.timeout_s)
+                running = waiting = kv = None
+                if status == 200 and names is not None:
+                    load = engines.parse_load(body.decode("utf-8", "replace"), names)
+                    running, waiting, kv = load.running, load.waiting, load.kv_usage
+                elif status >= 500 and status != 501:
+                    raise _Miss(f"GET /metrics answered {status}")
+                elif not state.no_metrics_logged:
+                    state.no_metrics_logged = True
+                    log.warning(
+                        "endpoint %s (%s at %s): GET /metrics answered %d; its load is unknown "
+                        "(is the engine's metrics flag on?)",
+                        e.endpoint_id,
+                        e.engine,
+                        e.authority,
+                        status,
+                    )
+                if names is not None and names.kv_from_slots:
+                    status, body = await state.scrape_pool.get(b"/slots", self.timeout_s)
+                    if status == 200:
+                        try:
+                            slots = json.loads(body)
+                        except ValueError:
+                            slots = None
+                        if kv is None:
+                            kv = engines.slots_usage(slots)
+                        if isinstance(slots, list) and slots and state.endpoint.slots is None:
+                            state.slots = len(slots)
+        except (UpstreamError, trio.TooSlowError, OSError, _Miss) as exc:
+            reason = (
+                str(exc)
+                if not isinstance(exc, trio.TooSlowError)
+                else (f"no answer within {self.timeout_s:g} s")
+            )
+            self._miss(state, reason)
+            return
+        now = trio.current_time()
+        state.running, state.waiting, state.kv_usage = running, waiting, kv
+        state.scraped_at = now
+        state.misses = 0
+        state.last_error = None
+        if not state.healthy:
+            state.healthy = True
+            log.info("endpoint %s (%s) answers again: healthy", e.endpoint_id, e.authority)
+
+    def _miss(self, state: EndpointState, reason: str) -> None:
+        e = state.endpoint
+        state.misses += 1
+        state.last_error = reason
+        if state.healthy and state.misses >= self.unhealthy_after:
+            state.healthy = False
+            log.warning(
+                "endpoint %s (%s at %s) unhealthy after %d failed readings in a row: %s",
+                e.endpoint_id,
+                e.model,
+                e.authority,
+                state.misses,
+                reason,
+            )
+        else:
+            log.debug(
+                "endpoint %s: reading failed (%d in a row): %s", e.endpoint_id, state.misses, reason
+            )
+
+
+class _Miss(Exception):
+    pass

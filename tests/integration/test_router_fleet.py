@@ -1,0 +1,69 @@
+"""The router inside llmgw-cp, fed by the fleet: the real openai client, through the
+router, to a real llama-server the reconciler placed from the catalog."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import llama_server_binary
+
+from llmgw.testing.cluster import LocalCluster, wait_for
+
+
+@pytest.mark.slow
+def test_openai_client_through_the_router_to_a_placed_llama_server(
+    cluster: LocalCluster, tiny_model: Path
+) -> None:
+    binary = llama_server_binary()
+    cluster.models = [
+        {
+            "name": "tiny",
+            "source": str(tiny_model),
+            "served_names": ["tiny", "tiny-chat"],
+            "replicas": 1,
+            "profiles": [
+                {
+                    "engine": "llama-server",
+                    "gpus_per_node": 0,
+                    "engine_args": ["--ctx-size", "512", "--threads", "1"],
+                    "startup_timeout_s": 120,
+                }
+            ],
+        }
+    ]
+    cluster.setup(["cpu-1"])
+    cluster.write_agent_config("cpu-1", engine_paths={"llama-server": binary})
+    cluster.start_cp()
+    cluster.start_agent("cpu-1")
+    key = cluster.api_key("team-a")
+    client = openai.OpenAI(base_url=cluster.router_url, api_key=key, max_retries=0, timeout=60)
+
+    def listed() -> list[str] | None:
+        ids = sorted(m.id for m in client.models.list().data)
+        return ids or None
+
+    assert wait_for("the model listed by the router", listed, 90) == ["tiny", "tiny-chat"]
+    chat = client.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None and chat.usage.completion_tokens == 8
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    bad = openai.OpenAI(base_url=cluster.router_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    # The router's metrics are on the admin listener.
+    import httpx
+
+    page = httpx.get(cluster.admin_url + "/metrics", timeout=10).text
+    assert "llmgw_" in page

@@ -1,0 +1,132 @@
+"""API keys: hashed at rest, shown once, cached for lookups, revoked at once."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmgw.errors import ConfigError, UsageError
+from llmgw.router._keys import ApiKey, CachedKeys, SqliteKeyStore, StaticKeys
+from router.conftest import FakeEngine, serve_router
+
+
+async def test_sqlite_store_keeps_only_hashes(tmp_path: Path) -> None:
+    db = tmp_path / "state" / "keys.db"
+    store = SqliteKeyStore(db)
+    key, secret = await store.create(
+        tenant="acme",
+        models=["chat", "embed"],
+        default_band="batch",
+        max_band="interactive",
+        name="ci",
+    )
+    assert secret.startswith("llmgw-") and len(secret) > 40
+    assert key.tenant == "acme"
+    assert key.models == frozenset({"chat", "embed"})
+    assert (key.default_band, key.max_band, key.name) == ("batch", "interactive", "ci")
+    store.close()
+
+    raw = db.read_bytes() + (
+        db.with_name("keys.db-wal").read_bytes() if db.with_name("keys.db-wal").exists() else b""
+    )
+    assert secret.encode() not in raw
+    rows = sqlite3.connect(db).execute("SELECT secret_sha256 FROM api_keys").fetchall()
+    assert rows == [(hashlib.sha256(secret.encode()).digest(),)]
+
+    again = SqliteKeyStore(db)  # a new process's view: everything came from the file
+    assert await again.lookup(secret) == key
+    assert await again.lookup(secret + "x") is None
+    everything, _ = await again.create(tenant="other")
+    assert everything.models is None and everything.max_band == "interactive"
+    assert [k.key_id for k in await again.list()] == [key.key_id, everything.key_id]
+    assert await again.revoke(key.key_id) is True
+    assert await again.revoke("key-nope") is False
+    revoked = await again.lookup(secret)
+    assert revoked is not None and revoked.revoked
+    again.close()
+
+
+async def test_cache_serves_lookups_and_revocation_is_immediate(tmp_path: Path) -> None:
+    store = SqliteKeyStore(tmp_path / "keys.db")
+    cached = CachedKeys(store, ttl_s=300)
+    key, secret = await cached.create(tenant="acme")
+    assert await cached.lookup(secret) == key
+    assert await cached.lookup(secret) == key
+    assert cached.statistics()["hits"] == 1 and cached.statistics()["misses"] == 1
+
+    # Another process revokes it: this cache notices only after its TTL ...
+    other = SqliteKeyStore(tmp_path / "keys.db")
+    await other.revoke(key.key_id)
+    assert await cached.lookup(secret) == key
+    # ... but a revocation through this cache takes effect at once.
+    key2, secret2 = await cached.create(tenant="acme")
+    assert await cached.lookup(secret2) == key2
+    assert await cached.revoke(key2.key_id) is True
+    assert await cached.lookup(secret2) is None
+    # Unknown secrets are remembered briefly too, so a flood does not hit the store each time.
+    assert await cached.lookup("llmgw-made-up") is None
+    misses = cached.statistics()["misses"]
+    assert await cached.lookup("llmgw-made-up") is None
+    assert cached.statistics()["misses"] == misses
+    store.close()
+    other.close()
+
+
+async def test_static_keys_are_read_only() -> None:
+    key = ApiKey("k1", "t", None, "interactive", "interactive", 0.0)
+    static = StaticKeys([("llmgw-secret", key)])
+    assert await static.lookup("llmgw-secret") == key
+    assert await static.lookup("llmgw-other") is None
+    with pytest.raises(UsageError):
+        await static.revoke("k1")
+    with pytest.raises(ConfigError, match="twice"):
+        StaticKeys([("s", key), ("s", key)])
+
+
+async def test_a_revoked_key_is_refused_by_the_router_at_once(
+    tmp_path: Path, start_engine: Callable[..., FakeEngine]
+) -> None:
+    fe = start_engine("chat")
+    store = SqliteKeyStore(tmp_path / "keys.db")
+    cached = CachedKeys(store, ttl_s=300)
+    key, secret = await cached.create(tenant="acme", models=["chat"])
+    body = {"model": "chat", "messages": [{"role": "user", "content": "x"}]}
+    async with serve_router([fe.endpoint()], keys=cached) as r, httpx.AsyncClient(timeout=30) as h:
+        url = r.base_url + "/chat/completions"
+        auth = {"Authorization": f"Bearer {secret}"}
+        assert (await h.post(url, headers=auth, json=body)).status_code == 200
+        assert r.router.keys is cached
+        await cached.revoke(key.key_id)
+        refused = await h.post(url, headers=auth, json=body)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+    store.close()
+
+
+async def test_priority_band_header_is_capped_by_the_key(
+    start_engine: Callable[..., FakeEngine],
+) -> None:
+    from router.conftest import SECRET_A, SECRET_LIMITED, sample
+
+    fe = start_engine("chat")
+    body = {"model": "chat", "messages": [{"role": "user", "content": "x"}]}
+    async with serve_router([fe.endpoint()]) as r, httpx.AsyncClient(timeout=30) as h:
+        url = r.base_url + "/chat/completions"
+        limited = {"Authorization": f"Bearer {SECRET_LIMITED}"}
+        # The limited key's highest band is batch: asking for interactive gets batch.
+        resp = await h.post(url, headers={**limited, "X-LLMGW-Priority": "interactive"}, json=body)
+        assert resp.status_code == 200
+        a = {"Authorization": f"Bearer {SECRET_A}"}
+        resp = await h.post(url, headers={**a, "X-LLMGW-Priority": "batch"}, json=body)
+        assert resp.status_code == 200
+        resp = await h.post(url, headers={**a, "X-LLMGW-Priority": "urgent"}, json=body)
+        assert resp.status_code == 400
+        assert resp.json()["error"]["code"] == "unknown_band"
+        text = r.metrics_text()
+        assert sample(text, "llmgw_router_requests_total", band="batch", status="200") == 2.0
+        assert sample(text, "llmgw_router_requests_total", band="interactive", status="200") is None
