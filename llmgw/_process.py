@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -47,6 +48,12 @@ def run_service(name: str, service: Callable[[], Awaitable[None]]) -> int:
             nursery.start_soon(on_signal)
             nursery.start_soon(serve)
 
+    # Everything imported and configured so far lives as long as the process:
+    # keep it out of the collector's way, and collect young objects less often,
+    # so that a full collection does not land in the middle of requests.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
     try:
         trio.run(root)
     except (LlmgwError, BaseExceptionGroup) as exc:

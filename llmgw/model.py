@@ -313,3 +313,4 @@ class NodeView:
     agent_version: str | None
     inventory: Inventory | None
     shards: tuple[ShardReport, ...] = ()
+    cordoned: str | None = None  # why, when an operator cordoned it

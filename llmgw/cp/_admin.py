@@ -108,6 +108,8 @@ class AdminApp:
             ("GET", re.compile(r"^/api/v1/replicas$"), self._replicas),
             ("GET", re.compile(r"^/api/v1/status$"), self._status),
             ("POST", re.compile(r"^/api/v1/place$"), self._place),
+            ("POST", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/cordon$"), self._cordon),
+            ("DELETE", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/cordon$"), self._uncordon),
             ("GET", re.compile(r"^/api/v1/keys$"), self._keys_list),
             ("POST", re.compile(r"^/api/v1/keys$"), self._keys_create),
             ("DELETE", re.compile(r"^/api/v1/keys/(?P<key_id>[^/]+)$"), self._keys_revoke),
@@ -328,6 +330,18 @@ class AdminApp:
         ]  # fmt: skip
         return 200, {"model": m.name, "placed": True, "engine": profile.engine, "ranks": ranks,
                      "fabric": where.fabric}  # fmt: skip
+
+    async def _cordon(self, node: str, body: Any, **_: Any) -> tuple[int, Any]:
+        request = _expect(body or {}, {}, {"reason": str})
+        if self._registry.record(node) is None:
+            raise HttpError(404, f"no node {node!r} has registered")
+        self._registry.cordon(node, request.get("reason"))
+        return 200, {"cordoned": node}
+
+    async def _uncordon(self, node: str, **_: Any) -> tuple[int, Any]:
+        if not self._registry.uncordon(node):
+            raise HttpError(404, f"node {node!r} is not cordoned")
+        return 200, {"uncordoned": node}
 
     # API keys ---------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ async def serve(
     if created:
         log.info("created the first admin key in %s (keep it safe)", key_path)
     registry = NodeRegistry(_policy(cfg))
+    registry.load_overrides(cfg.state_dir / "overrides.json")
     reconciler = Reconciler(
         registry,
         lambda: catalog.catalog,

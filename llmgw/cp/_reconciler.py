@@ -194,7 +194,11 @@ class Reconciler:
             self.poke()
 
     def facts(self) -> list[placement.NodeFacts]:
-        return [node_facts(rec) for rec in self._registry.records()]
+        cordoned = self._registry.cordoned
+        return [
+            attrs.evolve(node_facts(rec), cordoned=rec.node_id in cordoned)
+            for rec in self._registry.records()
+        ]
 
     def allocations(self) -> placement.Allocations:
         gpus: dict[str, frozenset[int]] = {}

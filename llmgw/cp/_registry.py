@@ -8,15 +8,18 @@ lost connections and clock ticks, logging every state change with its reason.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 import trio
 
 from llmgw import core, model
-from llmgw.errors import RegistrationRefused
+from llmgw.errors import ConfigError, RegistrationRefused
 from llmgw.rpc import AgentHandle, PeerInfo, SessionServant
 
 log = logging.getLogger("llmgw.cp.registry")
@@ -69,6 +72,8 @@ class NodeRegistry:
         self._nodes: dict[str, NodeRecord] = {}
         self._nursery: trio.Nursery | None = None
         self._generations = 0
+        self.cordoned: dict[str, str] = {}  # node -> why; placement leaves these nodes out
+        self._overrides: Path | None = None
         # Called on a registration, a shard report, a state change.
         self.listeners: list[Callable[[], None]] = []
 
@@ -80,6 +85,38 @@ class NodeRegistry:
         for rec in self._nodes.values():
             counts[rec.liveness.state.value] += 1
         return counts
+
+    def load_overrides(self, path: Path) -> None:
+        """Operator overrides (cordons) survive a restart: they live in the state dir."""
+        self._overrides = path
+        try:
+            data = json.loads(path.read_text())
+            self.cordoned = {str(k): str(v) for k, v in data.get("cordoned", {}).items()}
+        except FileNotFoundError:
+            self.cordoned = {}
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{path}: unreadable node overrides: {exc}") from None
+
+    def cordon(self, node_id: str, reason: str | None) -> None:
+        self.cordoned[node_id] = reason or "cordoned by an operator"
+        self._save_overrides()
+        log.info("node %s cordoned: %s", node_id, self.cordoned[node_id])
+        self._changed()
+
+    def uncordon(self, node_id: str) -> bool:
+        if self.cordoned.pop(node_id, None) is None:
+            return False
+        self._save_overrides()
+        log.info("node %s uncordoned", node_id)
+        self._changed()
+        return True
+
+    def _save_overrides(self) -> None:
+        if self._overrides is None:
+            return
+        tmp = self._overrides.with_name(self._overrides.name + ".tmp")
+        tmp.write_text(json.dumps({"cordoned": self.cordoned}, indent=1))
+        os.replace(tmp, self._overrides)
 
     def _changed(self) -> None:
         for listener in self.listeners:
@@ -218,6 +255,7 @@ class NodeRegistry:
                 agent_version=rec.agent_version,
                 inventory=rec.inventory,
                 shards=rec.shards,
+                cordoned=self.cordoned.get(rec.node_id),
             )
             for rec in sorted(self._nodes.values(), key=lambda r: r.node_id)
         ]

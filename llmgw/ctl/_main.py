@@ -38,6 +38,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     nodes.add_argument("--json", action="store_true", help="the API's JSON, as is")
     nodes.set_defaults(func=_nodes)
 
+    cordon = sub.add_parser("cordon", help="place nothing new on a node (running replicas stay)")
+    cordon.add_argument("node")
+    cordon.add_argument("--reason", default=None)
+    cordon.set_defaults(func=_cordon)
+    uncordon = sub.add_parser("uncordon", help="let placement use a node again")
+    uncordon.add_argument("node")
+    uncordon.set_defaults(func=_uncordon)
+
     shard = sub.add_parser("shard", help="start, stop and read shards on a node by hand")
     shard_sub = shard.add_subparsers(dest="shard_command", required=True)
     start = shard_sub.add_parser(
@@ -314,6 +322,19 @@ def _place(args: argparse.Namespace) -> int:
     return 0 if data["placed"] else 1
 
 
+def _cordon(args: argparse.Namespace) -> int:
+    body = {"reason": args.reason} if args.reason else {}
+    api(args, "POST", f"/api/v1/nodes/{args.node}/cordon", body)
+    print(f"{args.node} cordoned: nothing new is placed there")
+    return 0
+
+
+def _uncordon(args: argparse.Namespace) -> int:
+    api(args, "DELETE", f"/api/v1/nodes/{args.node}/cordon")
+    print(f"{args.node} uncordoned")
+    return 0
+
+
 def _keys_create(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"tenant": args.tenant, "default_band": args.band, "name": args.name}
     if args.models:
@@ -439,7 +460,7 @@ def format_nodes(nodes: list[dict[str, Any]], *, now: float) -> str:
         rows.append(
             (
                 n["node_id"],
-                n["state"],
+                n["state"] + (",cordoned" if n.get("cordoned") else ""),
                 _age(now - n["since"]),
                 _age(None if n.get("last_seen") is None else now - n["last_seen"]),
                 _gpus(inv.get("gpus")),

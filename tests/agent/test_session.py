@@ -50,8 +50,12 @@ async def test_a_standby_refusal_moves_on_to_the_leader_at_once(tmp_path: Path) 
     _cert.init_ca(tmp_path)
     _cert.issue_server(tmp_path, ["127.0.0.1"])
     _cert.issue_agent(tmp_path, "n1")
-    server_tls = _tls.server_context(tmp_path / "ca.crt", tmp_path / "server.crt", tmp_path / "server.key")
-    client_tls = _tls.client_context(tmp_path / "ca.crt", tmp_path / "agent-n1.crt", tmp_path / "agent-n1.key")
+    server_tls = _tls.server_context(
+        tmp_path / "ca.crt", tmp_path / "server.crt", tmp_path / "server.key"
+    )
+    client_tls = _tls.client_context(
+        tmp_path / "ca.crt", tmp_path / "agent-n1.crt", tmp_path / "agent-n1.key"
+    )
     leader = Leader()
     async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
         leader_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, leader)

@@ -8,9 +8,19 @@ from llmgw.core._reconcile import DesiredModel, ObservedShard, Start, Stop, reco
 QWEN = DesiredModel("qwen", 2, ("fp1",), {"fp1": 600.0})
 
 
-def shard(replica: str, node: str = "n1", state: str = "ready", rank: int = 0, ranks: int = 1,
-          node_state: str = "ready", model: str = "qwen", fp: str = "fp1") -> ObservedShard:
-    return ObservedShard(node, node_state, f"{replica}-{rank}", state, replica, model, rank, ranks, fp)
+def shard(
+    replica: str,
+    node: str = "n1",
+    state: str = "ready",
+    rank: int = 0,
+    ranks: int = 1,
+    node_state: str = "ready",
+    model: str = "qwen",
+    fp: str = "fp1",
+) -> ObservedShard:
+    return ObservedShard(
+        node, node_state, f"{replica}-{rank}", state, replica, model, rank, ranks, fp
+    )
 
 
 def test_missing_replicas_are_started_and_running_ones_adopted() -> None:
@@ -27,7 +37,10 @@ def test_pending_starts_are_not_started_twice() -> None:
 def test_failed_replica_is_stopped_and_replaced() -> None:
     shards = [shard("r1"), shard("r2", state="failed")]
     plan = reconcile([QWEN], shards, {"n1": "ready"}, {}, 10.0)
-    assert Stop("n1", "r2-0", "replica r2 failed: rank 0 on n1 failed: no reason given") in plan.actions
+    assert (
+        Stop("n1", "r2-0", "replica r2 failed: rank 0 on n1 failed: no reason given")
+        in plan.actions
+    )
     assert plan.actions.count(Start("qwen")) == 1
 
 
@@ -77,7 +90,10 @@ def test_changed_profile_shows_stale_but_keeps_serving() -> None:
 
 def test_multinode_rank_missing_after_grace_is_incomplete() -> None:
     shards = [shard("r1", rank=0, ranks=2)]
-    assert reconcile([QWEN], shards, {"n1": "ready"}, {"r1": 0.0}, 30.0, pending={"qwen": 1}).actions == ()
+    assert (
+        reconcile([QWEN], shards, {"n1": "ready"}, {"r1": 0.0}, 30.0, pending={"qwen": 1}).actions
+        == ()
+    )
     plan = reconcile([QWEN], shards, {"n1": "ready"}, {"r1": 0.0}, 61.0, pending={"qwen": 1})
     assert plan.replicas[0].state == "incomplete"
 

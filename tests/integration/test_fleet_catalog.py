@@ -19,17 +19,31 @@ TIMEOUT = 60
 
 
 def vllm(gpus: int, **extra: Any) -> dict[str, Any]:
-    return {"engine": "vllm", "gpu_class": "h100-80g", "gpus_per_node": gpus,
-            "startup_timeout_s": 30, **extra}
+    return {
+        "engine": "vllm",
+        "gpu_class": "h100-80g",
+        "gpus_per_node": gpus,
+        "startup_timeout_s": 30,
+        **extra,
+    }
 
 
 CATALOG = [
-    {"name": "chat", "source": "Qwen/Qwen2.5-7B-Instruct", "served_names": ["chat"],
-     "replicas": 2, "profiles": [vllm(2)]},
+    {
+        "name": "chat",
+        "source": "Qwen/Qwen2.5-7B-Instruct",
+        "served_names": ["chat"],
+        "replicas": 2,
+        "profiles": [vllm(2)],
+    },
     {"name": "embed", "source": "BAAI/bge-m3", "replicas": 2, "profiles": [vllm(1)]},
     {"name": "big", "source": "meta-llama/Llama-3.1-70B", "replicas": 1, "profiles": [vllm(4)]},
-    {"name": "tiny-cpu", "source": "/models/tiny.gguf", "replicas": 1,
-     "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}]},
+    {
+        "name": "tiny-cpu",
+        "source": "/models/tiny.gguf",
+        "replicas": 1,
+        "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}],
+    },
 ]
 
 
@@ -48,8 +62,11 @@ class Fleet:
         fake_nvidia_smi.install(bin_dir)
         self.vllm = fake_engine.install(bin_dir, "vllm")
         self.llama = fake_engine.install(tmp_path / "cpu-bin", "llama-server")
-        self.gpu_env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LLMGW_FAKE_GPUS": "8xh100-80g",
-                        "LLMGW_FAKE_LOAD_DELAY": "0.5"}
+        self.gpu_env = {
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "LLMGW_FAKE_GPUS": "8xh100-80g",
+            "LLMGW_FAKE_LOAD_DELAY": "0.5",
+        }
         self.cpu_env = {"LLMGW_FAKE_LOAD_DELAY": "0.5"}
 
     def start(self) -> None:
@@ -73,13 +90,19 @@ class Fleet:
         return json.loads(self.c.ctl("replicas", "--json").stdout)["replicas"]
 
     def shards(self) -> dict[str, dict]:
-        return {s["shard_id"]: {**s, "node": n} for n, v in self.c.nodes().items() for s in v["shards"]}
+        return {
+            s["shard_id"]: {**s, "node": n} for n, v in self.c.nodes().items() for s in v["shards"]
+        }
 
     def all_ready(self) -> dict[str, dict] | None:
         status = self.status()
         ok = all(m["ready"] == m["desired"] for m in status.values())
         ready_replicas = [r for r in self.replicas() if r["state"] == "ready"]
-        return status if ok and len(ready_replicas) == sum(m["desired"] for m in status.values()) else None
+        return (
+            status
+            if ok and len(ready_replicas) == sum(m["desired"] for m in status.values())
+            else None
+        )
 
     def pids(self) -> dict[str, tuple[int, ...]]:
         return {sid: tuple(s["pids"]) for sid, s in self.shards().items()}
@@ -105,7 +128,11 @@ def test_catalog_placement_and_reconciler(cluster: LocalCluster, tmp_path: Path)
     killed_at = time.monotonic()
 
     def replaced() -> bool:
-        now = {r["replica"] for r in fleet.replicas() if r["model"] == "embed" and r["state"] == "ready"}
+        now = {
+            r["replica"]
+            for r in fleet.replicas()
+            if r["model"] == "embed" and r["state"] == "ready"
+        }
         return victim["replica_id"] not in now and len(now) == 2
 
     wait_for("the killed engine's replica replaced", replaced, 30)
@@ -129,30 +156,43 @@ def test_catalog_placement_and_reconciler(cluster: LocalCluster, tmp_path: Path)
     cluster.cp.kill9()
     started = time.monotonic()
     cluster.start_cp()
-    wait_for("every replica ready after the control plane restart", fleet.all_ready,
-             15 - (time.monotonic() - started))
+    wait_for(
+        "every replica ready after the control plane restart",
+        fleet.all_ready,
+        15 - (time.monotonic() - started),
+    )
     time.sleep(cluster.settle_s + 1.5)  # past the settle time: the reconciler acts now
     assert fleet.pids() == before
     assert all(alive(p) for ps in before.values() for p in ps)
 
     # Drop a model: its shards stop. Change a profile: its replicas show stale.
-    embed_pids = [p for sid, s in fleet.shards().items() if s["model_name"] == "embed" for p in s["pids"]]
+    embed_pids = [
+        p for sid, s in fleet.shards().items() if s["model_name"] == "embed" for p in s["pids"]
+    ]
     changed = [m for m in CATALOG if m["name"] != "embed"]
     changed[0] = {**changed[0], "profiles": [vllm(2, engine_args=["--max-model-len", "4096"])]}
     cluster.write_server_config(changed)
     wait_for("embed's engines stopped", lambda: not any(alive(p) for p in embed_pids), 30)
-    wait_for("chat stale", lambda: all(r["stale"] for r in fleet.replicas() if r["model"] == "chat"), 20)
+    wait_for(
+        "chat stale", lambda: all(r["stale"] for r in fleet.replicas() if r["model"] == "chat"), 20
+    )
     assert not [r for r in fleet.replicas() if r["model"] == "embed"]
     table = cluster.ctl("replicas").stdout
     assert any(line.startswith("chat") and "stale" in line for line in table.splitlines())
 
     # A model nothing can hold: the per-node reasons, in `replicas` and `place --dry-run`.
-    huge = {"name": "huge", "source": "x/huge", "replicas": 1,
-            "profiles": [{"engine": "vllm", "gpu_class": "h200-140g", "gpus_per_node": 8}]}
+    huge = {
+        "name": "huge",
+        "source": "x/huge",
+        "replicas": 1,
+        "profiles": [{"engine": "vllm", "gpu_class": "h200-140g", "gpus_per_node": 8}],
+    }
     cluster.write_server_config([*changed, huge])
 
     def unplaced() -> dict | None:
-        return next((r for r in fleet.replicas() if r["model"] == "huge" and r["state"] == "unplaced"), None)
+        return next(
+            (r for r in fleet.replicas() if r["model"] == "huge" and r["state"] == "unplaced"), None
+        )
 
     row = wait_for("huge unplaced", unplaced, 20)
     for node in ("gpu-1", "gpu-2", "cpu-1"):
@@ -168,3 +208,46 @@ def test_catalog_placement_and_reconciler(cluster: LocalCluster, tmp_path: Path)
     time.sleep(3)
     assert {m["model"] for m in fleet.status().values()} == {"chat", "big", "tiny-cpu", "huge"}
     assert "refused" in cluster.cp.output()
+
+
+@pytest.mark.slow
+def test_cordon_keeps_placement_off_a_node_across_restarts(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    llama = fake_engine.install(tmp_path / "bin", "llama-server")
+    cluster.setup(["cpu-1", "cpu-2"])
+    for node in ("cpu-1", "cpu-2"):
+        cluster.write_agent_config(node, engine_paths={"llama-server": str(llama)})
+        cluster.start_agent(node, env={"LLMGW_FAKE_LOAD_DELAY": "0.2"})
+    cluster.start_cp()
+    cluster.wait_states({"cpu-1": "ready", "cpu-2": "ready"}, timeout=20)
+    cluster.ctl("cordon", "cpu-1", "--reason", "disk replacement")
+    model = {
+        "name": "tiny",
+        "source": "/models/tiny.gguf",
+        "replicas": 2,
+        "profiles": [{"engine": "llama-server", "gpus_per_node": 0}],
+    }
+    cluster.write_server_config([model])
+
+    def ready_nodes() -> list[str] | None:
+        rows = json.loads(cluster.ctl("replicas", "--json").stdout)["replicas"]
+        ready = sorted(n for r in rows if r["state"] == "ready" for n in r["nodes"])
+        return ready if len(ready) == 2 else None
+
+    assert wait_for("two replicas", ready_nodes, 30) == ["cpu-2", "cpu-2"]
+    row = next(
+        line for line in cluster.ctl("nodes").stdout.splitlines() if line.startswith("cpu-1")
+    )
+    assert "ready,cordoned" in row
+    assert cluster.nodes()["cpu-1"]["cordoned"] == "disk replacement"
+    dry = cluster.ctl("place", "tiny", "--dry-run", check=False).stdout
+    assert "cpu-2" in dry and "cpu-1" not in dry
+    # The cordon is the operator's, kept in the state directory: a restart keeps it.
+    assert cluster.cp is not None
+    cluster.cp.terminate()
+    cluster.start_cp()
+    cluster.wait_states({"cpu-1": "ready", "cpu-2": "ready"}, timeout=20)
+    assert cluster.nodes()["cpu-1"]["cordoned"] == "disk replacement"
+    cluster.ctl("uncordon", "cpu-1")
+    assert "rank 0: cpu-1" in cluster.ctl("place", "tiny", "--dry-run").stdout

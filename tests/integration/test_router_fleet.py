@@ -51,7 +51,10 @@ def test_openai_client_through_the_router_to_a_placed_llama_server(
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage is not None and chat.usage.completion_tokens == 8
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
