@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="start, show, stop")
     args = parser.parse_args(argv)
 
+    if (args.dir / "server.yaml").exists():
+        shutil.rmtree(args.dir)  # a previous demo's: every run starts from scratch
     cluster = LocalCluster(args.dir.resolve(), heartbeat_interval_s=2.0)
     # The documented defaults when they are free, so the printed commands look familiar.
     for attr, port in (("rpc_port", 7070), ("admin_port", 8081), ("router_port", 8080)):

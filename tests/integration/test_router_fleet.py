@@ -65,6 +65,15 @@ def test_openai_client_through_the_router_to_a_placed_llama_server(
     bad = openai.OpenAI(base_url=cluster.router_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+    # Keys: listed without their secrets; a revoked key is refused at once.
+    import json
+
+    keys = json.loads(cluster.ctl("keys", "list", "--json").stdout)["keys"]
+    assert [(k["tenant"], k["revoked"]) for k in keys] == [("team-a", False)]
+    assert key not in cluster.ctl("keys", "list").stdout
+    cluster.ctl("keys", "revoke", keys[0]["key_id"])
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
     # The router's metrics are on the admin listener.
     import httpx
 
