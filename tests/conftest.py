@@ -23,6 +23,14 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         c.stop_all()
 
 
+def alive(pid: int) -> bool:
+    """Running, not a zombie: what a test means by an engine still being there."""
+    from llmgw.agent import _procfs
+
+    found = _procfs.stat(pid)
+    return found is not None and found[0] not in ("Z", "X")
+
+
 def require(available: bool, reason: str) -> None:
     """Skip locally when a real component is missing; under CI that is a failure."""
     if available:

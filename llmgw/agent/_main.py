@@ -88,10 +88,11 @@ async def serve(cfg: config.AgentConfig) -> None:
         if session is not None:
             session.notify_shard(report)
 
+    engine_paths = _engine_paths(cfg)
     supervisor = Supervisor(
         cfg.state_dir,
         on_change=on_shard_change,
-        engine_paths=_engine_paths(cfg),
+        engine_paths=engine_paths,
         grace_s=cfg.stop_grace_s,
     )
     node.llmgw_pids = supervisor.pids
@@ -100,9 +101,7 @@ async def serve(cfg: config.AgentConfig) -> None:
         node_id=cfg.node_id,
         addresses=cfg.addresses,
         tls=tls,
-        servant=AgentServant(
-            node, supervisor, engine_paths=cfg.engine_paths, sglang_python=cfg.sglang_python
-        ),
+        servant=AgentServant(node, supervisor, engine_paths=engine_paths),
         hello_inventory=node.hello_inventory,
         heartbeat=node.heartbeat,
         shards=supervisor.reports,

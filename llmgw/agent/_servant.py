@@ -28,13 +28,10 @@ class AgentServant:
         supervisor: Supervisor,
         *,
         engine_paths: dict[str, str] | None = None,
-        sglang_python: str | None = None,
     ) -> None:
         self._node = node
         self._supervisor = supervisor
-        self._engine_paths = dict(engine_paths or {})
-        if sglang_python:
-            self._engine_paths.setdefault("python3", sglang_python)
+        self._engine_paths = dict(engine_paths or {})  # as the supervisor resolves them
         self.newest_epoch = 0
 
     def _fence(self, epoch: int) -> None:

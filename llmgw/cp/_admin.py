@@ -26,7 +26,7 @@ from llmgw import config, engines
 from llmgw.cp._catalog_file import CatalogFile
 from llmgw.cp._reconciler import Reconciler, Unplaced
 from llmgw.cp._registry import NodeRecord, NodeRegistry
-from llmgw.cp._shards import manual_shard
+from llmgw.cp._shards import manual_shard, ports_taken
 from llmgw.errors import ConfigError, PeerError, UsageError
 from llmgw.router._keys import ApiKey, KeyStore
 from llmgw.rpc import AgentHandle
@@ -193,16 +193,14 @@ class AdminApp:
             {"port": int, "args": list, "gpus": int, "served_name": str},
         )
         spec = manual_shard(
-            node,
-            rec.inventory,
-            rec.shards,
+            rec,
+            ports_taken(self._registry.records()).get(rec.host, set()),
             engine=request["engine"],
             model_ref=request["model"],
             port=request.get("port"),
             args=[str(a) for a in request.get("args", [])],
             gpus=request.get("gpus"),
             served_name=request.get("served_name"),
-            node_address=rec.address.rsplit(":", 1)[0],
         )
         report = await agent.start_shard(self._registry.epoch, spec)
         self._registry.note_shard(node, report)

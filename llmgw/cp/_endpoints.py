@@ -40,7 +40,6 @@ class FleetEndpoints:
         for rec in self._registry.records():
             if rec.liveness.state.value == "lost":
                 continue
-            host = rec.address.rsplit(":", 1)[0].strip("[]")
             for s in rec.shards:
                 m = catalog.model(s.model_name) if s.model_name else None
                 if m is None or s.rank != 0 or s.state != "ready" or s.port is None:
@@ -51,7 +50,7 @@ class FleetEndpoints:
                             endpoint_id=f"{s.replica_id}@{rec.node_id}",
                             model=name,
                             engine=s.engine,
-                            host=host,
+                            host=rec.host,
                             port=s.port,
                         )
                     )

@@ -21,12 +21,11 @@ from llmgw import core, engines, model
 from llmgw.core._reconcile import DesiredModel, ObservedShard, Plan, ReplicaView, Start, Stop
 from llmgw.cp._catalog import Catalog, CatalogModel, Profile, engine_profile, fingerprint
 from llmgw.cp._registry import NodeRecord, NodeRegistry
-from llmgw.cp._shards import to_shard_spec
+from llmgw.cp._shards import PORTS, free_port, ports_taken, to_shard_spec
 from llmgw.errors import LlmgwError
 
 log = logging.getLogger("llmgw.cp.reconciler")
 
-DEFAULT_PORTS = (8100, 8999)
 RENDEZVOUS_PORTS = (29500, 29999)
 FOREIGN_MEMORY_LIMIT_MIB = 1024  # a card with more held by others is not healthy for placement
 PENDING_TTL_S = 120.0
@@ -272,19 +271,19 @@ class Reconciler:
         replica_id: str,
         records: dict[str, NodeRecord],
     ) -> list[tuple[str, model.ShardSpec]]:
-        taken = self._ports_taken(records)
-        first, last = profile.port_range or DEFAULT_PORTS
-        leader_host = _host(records[where.ranks[0].node_id])
-        rendezvous = _free(taken.get(leader_host, set()), *RENDEZVOUS_PORTS)
+        taken = ports_taken(records.values())
+        first, last = profile.port_range or PORTS
+        leader_host = records[where.ranks[0].node_id].host
+        rendezvous = free_port(taken.get(leader_host, set()), *RENDEZVOUS_PORTS)
         taken.setdefault(leader_host, set()).add(rendezvous)
-        addresses = tuple(_host(records[r.node_id]) for r in where.ranks)
+        addresses = tuple(records[r.node_id].host for r in where.ranks)
         eprofile = engine_profile(m, profile)
         fp = fingerprint(m, profile)
         out = []
         for r in where.ranks:
             rec = records[r.node_id]
-            host = _host(rec)
-            port = _free(taken.get(host, set()), first, last)
+            host = rec.host
+            port = free_port(taken.get(host, set()), first, last)
             taken.setdefault(host, set()).add(port)
             by_index = {g.index: g for g in rec.inventory.gpus or ()}
             assignment = engines.Assignment(
@@ -308,14 +307,6 @@ class Reconciler:
             out.append((r.node_id, spec))
         return out
 
-    def _ports_taken(self, records: dict[str, NodeRecord]) -> dict[str, set[int]]:
-        # By host, not by node: agents that share a host (tests, demos) share its ports.
-        taken: dict[str, set[int]] = {}
-        for rec in records.values():
-            ports = taken.setdefault(_host(rec), set())
-            ports.update(s.port for s in rec.shards if s.port is not None)
-        return taken
-
     # views ---------------------------------------------------------------------------------
 
     def replicas(self) -> list[ReplicaView]:
@@ -326,19 +317,6 @@ class Reconciler:
 
     def first_seen(self, replica_id: str) -> float | None:
         return self._first_seen.get(replica_id)
-
-
-def _host(rec: NodeRecord) -> str:
-    return rec.address.rsplit(":", 1)[0].strip("[]")
-
-
-def _free(taken: set[int], first: int, last: int) -> int:
-    # At random among the free ones: a port held by something outside llmgw
-    # would otherwise be chosen again for every replacement.
-    free = [p for p in range(first, last + 1) if p not in taken]
-    if not free:
-        raise LlmgwError(f"no free port in {first}-{last}")
-    return secrets.choice(free)
 
 
 def placement_profile(m: CatalogModel, p: Profile) -> placement.PlacementProfile:
@@ -374,7 +352,7 @@ def node_facts(rec: NodeRecord) -> placement.NodeFacts:
     topo = inv.topology
     return placement.NodeFacts(
         node_id=rec.node_id,
-        address=_host(rec),
+        address=rec.host,
         ready=rec.liveness.state is core.NodeState.READY,
         state=None if rec.liveness.state is core.NodeState.READY else rec.liveness.state.value,
         labels=tuple((label.key, label.value) for label in inv.labels),

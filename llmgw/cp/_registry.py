@@ -37,6 +37,11 @@ class NodeRecord:
     agent: AgentHandle | None
     last_seen_wall: float
 
+    @property
+    def host(self) -> str:
+        """The host part of the agent's address: where its engines listen."""
+        return self.address.rsplit(":", 1)[0].strip("[]")
+
 
 class _Session:
     """One registration's NodeSession; stale once the node registers again."""

@@ -9,13 +9,14 @@ cards of the node are used.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import PurePosixPath
 
 from llmgw import engines, model
+from llmgw.cp._registry import NodeRecord
 from llmgw.errors import UsageError
 
-PORTS = range(8100, 9000)
+PORTS = (8100, 8999)
 
 
 def served_name_for(model_ref: str) -> str:
@@ -59,17 +60,26 @@ def to_shard_spec(
     )
 
 
-def _free_port(taken: set[int]) -> int:
-    for port in PORTS:
-        if port not in taken:
-            return port
-    raise UsageError(f"no free port in {PORTS.start}-{PORTS.stop - 1} on this node")
+def ports_taken(records: Iterable[NodeRecord]) -> dict[str, set[int]]:
+    """Ports of running shards, by host, not by node: agents sharing a host share its ports."""
+    taken: dict[str, set[int]] = {}
+    for rec in records:
+        taken.setdefault(rec.host, set()).update(s.port for s in rec.shards if s.port is not None)
+    return taken
+
+
+def free_port(taken: set[int], first: int, last: int) -> int:
+    # At random among the free ones: a port held by something outside llmgw
+    # would otherwise be chosen again for every replacement.
+    free = [p for p in range(first, last + 1) if p not in taken]
+    if not free:
+        raise UsageError(f"no free port in {first}-{last}")
+    return secrets.choice(free)
 
 
 def manual_shard(
-    node_id: str,
-    inventory: model.Inventory,
-    running: Sequence[model.ShardReport],
+    rec: NodeRecord,
+    taken: set[int],
     *,
     engine: str,
     model_ref: str,
@@ -77,14 +87,14 @@ def manual_shard(
     args: Sequence[str],
     gpus: int | None,
     served_name: str | None,
-    node_address: str,
 ) -> model.ShardSpec:
+    """`taken`: ports already used on the node's host."""
+    node_id, inventory = rec.node_id, rec.inventory
     if engine not in engines.ENGINES:
         raise UsageError(f"unknown engine {engine!r}; known: {', '.join(engines.ENGINES)}")
-    taken = {s.port for s in running if s.port is not None}
     if port is not None and port in taken:
         raise UsageError(f"{node_id}: port {port} is already used by another shard")
-    port = port or _free_port(taken)
+    port = port or free_port(taken, PORTS[0], PORTS[1])
     cards: tuple[model.Gpu, ...] = ()
     gpu_class = None
     if engine != "llama-server" or gpus:
@@ -108,7 +118,7 @@ def manual_shard(
     )
     assignment = engines.Assignment(
         rank=0,
-        node_addresses=(node_address,),
+        node_addresses=(rec.host,),
         gpus=cards,
         port=port,
         rendezvous_port=port + 1000,

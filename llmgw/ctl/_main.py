@@ -449,7 +449,7 @@ def format_nodes(nodes: list[dict[str, Any]], *, now: float) -> str:
         "NODE", "STATE", "SINCE", "SEEN", "GPUS", "MEM GiB used/total",
         "DISK GiB free/total", "ENGINES", "SHARDS", "WARN",
     )  # fmt: skip
-    rows = [header]
+    rows = []
     for n in nodes:
         inv = n.get("inventory") or {}
         usage = inv.get("usage") or {}
@@ -471,7 +471,4 @@ def format_nodes(nodes: list[dict[str, Any]], *, now: float) -> str:
                 _warn(inv.get("warnings") or []) if n["state"] == "ready" else n["state_reason"],
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
+    return _table(header, rows)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import trio
+from conftest import alive
 
 from llmgw import model
 from llmgw.agent import _procfs
@@ -32,11 +33,6 @@ def listener(port: int) -> str:
         "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
         f"s.bind(('127.0.0.1', {port})); s.listen(); print('listening', flush=True); time.sleep(3600)"
     )
-
-
-def alive(pid: int) -> bool:
-    found = _procfs.stat(pid)
-    return found is not None and found[0] not in ("Z", "X")
 
 
 async def wait_state(

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import alive
 
 from llmgw.testing import fake_engine, fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for
@@ -45,14 +46,6 @@ CATALOG = [
         "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}],
     },
 ]
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
 
 
 class Fleet:

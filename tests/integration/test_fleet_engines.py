@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from conftest import alive
 
 from llmgw.testing import fake_engine, fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for
@@ -24,15 +25,6 @@ def fake_bin(tmp_path: Path) -> Path:
 
 def gpu_env(bin_dir: Path, gpus: str = "8xh100-80g") -> dict[str, str]:
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LLMGW_FAKE_GPUS": gpus}
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rfind(")") + 2] != "Z"
 
 
 @pytest.mark.slow

@@ -7,18 +7,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import llama_server_binary
+from conftest import alive, llama_server_binary
 
 from llmgw import engines
 from llmgw.testing.cluster import LocalCluster, wait_for
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
 
 
 @pytest.mark.slow
