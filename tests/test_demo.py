@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import llama_server_binary
+from helpers import llama_server_binary
 
 
 @pytest.mark.slow
@@ -23,7 +24,14 @@ def test_demo_shows_two_ready_nodes_and_stops(tmp_path: Path) -> None:
     assert "LLMGW_ADMIN_KEY" in done.stdout and "stopped" in done.stdout
     # A real llama-server, placed from the catalog, answered the printed curl to the router.
     assert "curl -s http://127.0.0.1:" in done.stdout and "/v1/chat/completions" in done.stdout
-    assert "-> '" in done.stdout
+    # The reply the demo printed (`  -> 'text'`) is a non-empty completion, not only an arrow.
+    replies = [
+        ast.literal_eval(line.split("-> ", 1)[1])
+        for line in done.stdout.splitlines()
+        if line.lstrip().startswith("-> ")
+    ]
+    assert len(replies) == 1, done.stdout
+    assert isinstance(replies[0], str) and replies[0].strip(), replies
     assert [row[8] for row in table] == ["1/1", "-"]  # SHARDS: ready/total
     # Nothing left running.
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "demo")], capture_output=True)

@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import alive
+from helpers import alive
 
 from llmgw.testing import fake_engine, fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for
@@ -95,14 +95,36 @@ def test_engines_survive_ten_agent_kills_and_stop_leaves_nothing(
 
     first = wait_for("three ready engines", all_ready, 30)
     pids = {sid: tuple(s["pids"]) for sid, s in first.items()}
+    generation = cluster.nodes()["node-a"]["generation"]
+    assert isinstance(generation, int)
+    log_path = cluster.agents["node-a"].log
     for round_ in range(10):
+        mark = log_path.stat().st_size  # each agent appends to the same log
         cluster.agents["node-a"].kill9()
         cluster.start_agent("node-a", env={"LLMGW_FAKE_LOAD_DELAY": "0.5"})
-        after = wait_for(f"ready again after kill {round_ + 1}", all_ready, 30)
+
+        def registered_again(gen: int = generation) -> dict | None:
+            # The killed agent's session can still read "ready" until the control
+            # plane notices the connection is gone: only a new registration counts.
+            node = cluster.nodes()["node-a"]
+            if (node["generation"] or 0) <= gen or node["state"] != "ready":
+                return None
+            return node if all_ready() else None
+
+        node = wait_for(f"a new registration, ready, after kill {round_ + 1}", registered_again, 30)
+        generation = node["generation"]
+        after = {s["shard_id"]: s for s in node["shards"]}
         assert {sid: tuple(s["pids"]) for sid, s in after.items()} == pids
         assert all(alive(p) for ps in pids.values() for p in ps)
-    log = cluster.agents["node-a"].output()
-    assert "adopted" in log and "started engine" not in log.split("adopted")[-1]
+
+        def adoptions(mark: int = mark) -> str | None:
+            with log_path.open("rb") as f:
+                f.seek(mark)
+                text = f.read().decode(errors="replace")
+            return text if all(f"shard {sid}: adopted" in text for sid in shard_ids) else None
+
+        this_agent = wait_for(f"adoption of all three logged after kill {round_ + 1}", adoptions, 10)
+        assert ": started " not in this_agent  # adopted, never started again
 
     # Killed behind the agent's back: reported failed with its last output lines.
     victim = shard_ids[0]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import llama_server_binary
+from helpers import llama_server_binary
 
 from llmgw.testing.cluster import LocalCluster, wait_for
 
@@ -76,6 +76,34 @@ def test_openai_client_through_the_router_to_a_placed_llama_server(
         client.models.list()
     # The router's metrics are on the admin listener.
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     page = httpx.get(cluster.admin_url + "/metrics", timeout=10).text
-    assert "llmgw_" in page
+    families = {f.name: f for f in text_string_to_metric_families(page)}
+
+    def value(name: str, **labels: str) -> float:
+        """The sum of the samples of `name` whose labels include `labels`."""
+        family = families[name.removesuffix("_total").removesuffix("_count")]
+        found = [
+            s.value
+            for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
+        assert found, f"no {name}{labels} on the page"
+        return float(sum(found))
+
+    requests = "llmgw_router_requests_total"
+    assert families[requests.removesuffix("_total")].type == "counter"
+    # One answered chat per served name, each counted under the name it was asked by.
+    assert value(requests, model="tiny-chat", status="200", band="interactive") == 1
+    assert value(requests, model="tiny", status="200", band="interactive") == 1
+    assert value(requests, status="404") == 1  # the made-up name ...
+    assert "nope" not in page  # ... never becomes a label
+    assert value(requests, status="401") == 2  # the wrong key, the revoked one
+    # Usage as the engine reported it: 8 and 6 generated tokens.
+    assert value("llmgw_router_completion_tokens_total", model="tiny-chat") == 8
+    assert value("llmgw_router_completion_tokens_total", model="tiny") == 6
+    assert value("llmgw_router_request_duration_seconds_count", model="tiny-chat") == 1
+    assert value("llmgw_router_time_to_first_token_seconds_count", model="tiny") == 1
+    # Nothing is in flight or queued now.
+    assert value("llmgw_router_queue_depth") == 0

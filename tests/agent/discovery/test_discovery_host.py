@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import FIXTURES
 
 from llmgw.agent.discovery import (
     CpuInfo,
@@ -27,8 +28,6 @@ from llmgw.agent.discovery import (
     parse_proc_stat,
 )
 from llmgw.errors import ParseError
-
-FIXTURES = Path(__file__).resolve().parents[3] / ".." / "shared" / "fixtures"
 
 
 def fixture(name: str) -> str:

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import FIXTURES
 
 from llmgw.agent.discovery import (
     advertise_fabrics,
@@ -19,7 +20,6 @@ from llmgw.agent.discovery import (
 from llmgw.errors import ParseError
 from llmgw.model import Fabric, IbAdapter, IbPort
 
-FIXTURES = Path(__file__).resolve().parents[3] / ".." / "shared" / "fixtures"
 SYSFS = FIXTURES / "sysfs-infiniband-h100-ndr400-plus-bf3-roce-bond"
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
+from helpers import FIXTURES
 
 from llmgw.agent.discovery import (
     GPU_QUERY_FIELDS,
@@ -19,8 +19,6 @@ from llmgw.agent.discovery import (
     parse_smi_versions,
 )
 from llmgw.errors import ParseError
-
-FIXTURES = Path(__file__).resolve().parents[3] / ".." / "shared" / "fixtures"
 
 
 def fixture(name: str) -> str:

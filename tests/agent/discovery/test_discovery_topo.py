@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from helpers import FIXTURES
 
 from llmgw.agent.discovery import GpuAffinity, TopoMatrix, parse_topo
 from llmgw.errors import ParseError
 from llmgw.model import NicDistance, NvLink
-
-FIXTURES = Path(__file__).resolve().parents[3] / ".." / "shared" / "fixtures"
 
 
 def topo(name: str) -> TopoMatrix:

