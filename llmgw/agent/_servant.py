@@ -12,13 +12,9 @@ import trio
 from llmgw import engines, model
 from llmgw.agent._node import Node
 from llmgw.agent._supervisor import Supervisor
-from llmgw.errors import UsageError
+from llmgw.errors import StaleEpoch, UsageError
 
 log = logging.getLogger("llmgw.agent")
-
-
-class StaleEpoch(UsageError):
-    """A command from a control plane that is no longer the leader."""
 
 
 class AgentServant:
@@ -36,9 +32,11 @@ class AgentServant:
 
     def _fence(self, epoch: int) -> None:
         if epoch < self.newest_epoch:
+            # Travels as its own code ("stale-epoch"): the control plane learns
+            # it is no longer the leader, not that a registration was refused.
             raise StaleEpoch(
-                f"refused: command from epoch {epoch}, but epoch {self.newest_epoch} "
-                "has been seen (it came from a control plane that is no longer the leader)"
+                f"command from epoch {epoch} refused: epoch {self.newest_epoch} has been "
+                "seen, so it came from a control plane that is no longer the leader"
             )
         self.newest_epoch = epoch
 

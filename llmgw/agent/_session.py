@@ -4,6 +4,11 @@ Connect, register with the whole inventory and every shard, heartbeat, and
 when anything breaks, reconnect: every address in turn, then a jittered
 exponential backoff, forever. A standby's refusal moves on at once (to the
 leader it names, when it names one).
+
+`hello_inventory` is asked for the inventory at every registration; the
+agent's (`Node.hello_inventory`) discovers once per process and answers later
+registrations from what it knows plus a fresh usage sample, so a reconnect
+costs no probing.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import random
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 import attrs
 import trio
@@ -49,10 +55,12 @@ class AgentSession:
         shards: Callable[[], tuple[model.ShardReport, ...]] = tuple,
         backoff: Backoff = Backoff(),
         rng: random.Random | None = None,
+        cert_path: Path | None = None,
     ) -> None:
         self.node_id = node_id
         self.addresses = list(addresses)
         self._tls = tls
+        self._cert_path = cert_path  # named when the control plane refuses it
         self._servant = servant
         self._hello_inventory = hello_inventory
         self._heartbeat = heartbeat
@@ -121,7 +129,14 @@ class AgentSession:
         self._last_complaint = message
 
     async def _one_session(self, bridge: CapnpThread, host: str, port: int) -> None:
-        async with bridge.connect(host, port, self._tls, agent=self._servant) as conn:  # type: ignore[arg-type]
+        async with bridge.connect(
+            host,
+            port,
+            self._tls,
+            agent=self._servant,  # type: ignore[arg-type]
+            cert_path=self._cert_path,
+            node=self.node_id,
+        ) as conn:
             self._pending.clear()
             hello = model.Hello(
                 node_id=self.node_id,
@@ -129,8 +144,8 @@ class AgentSession:
                 inventory=await self._hello_inventory(),
                 shards=self._shards(),
             )
-            with trio.fail_after(30):
-                session, settings = await conn.register(hello)
+            # Bounded (30 s) in the bridge: DeadlineExceeded, then the next address.
+            session, settings = await conn.register(hello, deadline=30.0)
             self.registered_with = f"{host}:{port}"
             self._last_complaint = None
             self.registrations += 1
@@ -152,7 +167,11 @@ class AgentSession:
         self, conn: ClientConnection, session: SessionHandle, settings: model.Settings
     ) -> None:
         interval = settings.heartbeat_interval_s
+        # A control plane that holds the connection and stops answering (SIGSTOP,
+        # a partition without RST) must cost a reconnect, not a hang.
+        deadline = max(2 * interval, 1.0)
         seq = 0
+        failure: PeerError | None = None
 
         async def beat_forever() -> None:
             nonlocal seq
@@ -160,8 +179,7 @@ class AgentSession:
                 await trio.sleep(interval)
                 seq += 1
                 beat = await self._heartbeat(seq)
-                with trio.fail_after(max(2 * interval, 5.0)):
-                    await session.heartbeat(beat)
+                await session.heartbeat(beat, deadline=deadline)
 
         async def push_shards() -> None:
             while True:
@@ -169,14 +187,24 @@ class AgentSession:
                 self._pending_event = trio.Event()
                 while self._pending:
                     _, report = self._pending.popitem()
-                    with trio.fail_after(max(2 * interval, 5.0)):
-                        await session.shard_status(report)
+                    await session.shard_status(report, deadline=deadline)
+
+        async def until_failure(fn: Callable[[], Awaitable[None]]) -> None:
+            # A failed call ends the session here, outside the nursery's exception group.
+            nonlocal failure
+            try:
+                await fn()
+            except PeerError as exc:
+                failure = failure or exc
+                nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(beat_forever)
-            nursery.start_soon(push_shards)
+            nursery.start_soon(until_failure, beat_forever)
+            nursery.start_soon(until_failure, push_shards)
             await conn.closed.wait()
             nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
         raise Disconnected(f"connection to {conn.address} lost")
 
 

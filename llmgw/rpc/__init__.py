@@ -1,23 +1,27 @@
 """The Cap'n Proto boundary. Nothing outside this package imports capnp."""
 
 from llmgw.rpc._bridge import (
-    STANDBY_PREFIX,
+    AGENT_CALLS,
     AgentHandle,
     AgentServant,
     CapnpThread,
     ClientConnection,
+    Deadlines,
     PeerInfo,
     RegistryServant,
     SessionHandle,
     SessionServant,
 )
+from llmgw.rpc._gate import HandshakeLimits
 
 __all__ = [
-    "STANDBY_PREFIX",
+    "AGENT_CALLS",
     "AgentHandle",
     "AgentServant",
     "CapnpThread",
     "ClientConnection",
+    "Deadlines",
+    "HandshakeLimits",
     "PeerInfo",
     "RegistryServant",
     "SessionHandle",

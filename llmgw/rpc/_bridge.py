@@ -25,10 +25,12 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import json
 import logging
 import ssl
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -36,17 +38,17 @@ import attrs
 import capnp
 import trio
 
-from llmgw import model
+from llmgw import errors, model
 from llmgw.errors import (
+    DeadlineExceeded,
     Disconnected,
     LlmgwError,
     NotImplementedRemotely,
     PeerError,
-    RegistrationRefused,
     RemoteError,
     TlsRefused,
 )
-from llmgw.rpc import _codec, _tls
+from llmgw.rpc import _codec, _gate, _tls
 
 log = logging.getLogger("llmgw.rpc")
 
@@ -55,8 +57,56 @@ T = TypeVar("T")
 _SCHEMA_PATH = Path(__file__).with_name("llmgw.capnp")
 schema: Any = capnp.load(str(_SCHEMA_PATH))
 
-# Prefix of a refusal that names the leader; agents parse it to move on.
-STANDBY_PREFIX = "standby; leader is "
+
+# --- Deadlines ----------------------------------------------------------------------
+
+# The control plane's calls on an agent, by their schema names.
+AGENT_CALLS = frozenset(
+    {"inventory", "startShard", "stopShard", "drain", "logs", "reclaim", "engineCheck"}
+)
+_DEFAULT_PER_CALL: Mapping[str, float] = {
+    # A full discovery (NVML or nvidia-smi, topology, engine probes) on the agent.
+    "inventory": 30.0,
+    # Runs the engine's --help, which the agent bounds at 60 s (SGLang imports torch).
+    "engineCheck": 90.0,
+}
+
+
+def _per_call(value: Mapping[str, float]) -> dict[str, float]:
+    merged = {**_DEFAULT_PER_CALL, **value}
+    unknown = sorted(set(merged) - AGENT_CALLS)
+    if unknown:
+        raise ValueError(
+            f"no agent call named {', '.join(unknown)}; known: {', '.join(sorted(AGENT_CALLS))}"
+        )
+    for name, seconds in merged.items():
+        if not 0 < seconds <= 3600:
+            raise ValueError(f"deadline of {name}: {seconds!r} s; use more than 0, at most 3600")
+    return merged
+
+
+@attrs.frozen
+class Deadlines:
+    """How long the control plane waits for an agent to answer, per call (seconds).
+
+    On expiry the call is cancelled (down to the agent's servant) and raises
+    `DeadlineExceeded("did not answer CALL in N s")`. `startShard` answers as
+    soon as the spec is on disk and the first process is scheduled (loading the
+    engine happens after), so it keeps the default. `stopShard` waits on the
+    agent for the engine to exit, up to the grace it is given: its deadline is
+    that grace plus `default_s`. Log streams (a `LogSink` being fed) have none.
+    """
+
+    default_s: float = attrs.field(default=10.0)
+    per_call: Mapping[str, float] = attrs.field(factory=dict, converter=_per_call)
+
+    @default_s.validator
+    def _check_default(self, _: object, value: float) -> None:
+        if not 0 < value <= 3600:
+            raise ValueError(f"default deadline {value!r} s; use more than 0, at most 3600")
+
+    def of(self, call: str, extra_s: float = 0.0) -> float:
+        return self.per_call.get(call, self.default_s) + max(0.0, extra_s)
 
 
 # --- Servants: what trio code implements -------------------------------------
@@ -92,28 +142,47 @@ class AgentServant(Protocol):
 
 # --- Errors ---------------------------------------------------------------------
 
+# An error crosses the wire as the text of a capnp exception (pycapnp carries
+# nothing else): this marker, then JSON {"code", "message", "extra"}. Encoded
+# here (`_encode_error`) and decoded here (`_map_kj`) through the one table in
+# llmgw.errors; the text around it (KJ adds "remote exception: ") is not read.
+_WIRE_MARK = "llmgw-error/1 "
+
+
+def _encode_error(exc: BaseException) -> str:
+    code, message, extra = errors.to_wire(exc)
+    return _WIRE_MARK + json.dumps({"code": code, "message": message, "extra": extra})
+
+
+def _decode_error(text: str) -> tuple[str, str, dict[str, str]] | None:
+    at = text.find(_WIRE_MARK)
+    if at < 0:
+        return None
+    try:
+        data, _ = json.JSONDecoder().raw_decode(text, at + len(_WIRE_MARK))
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    code, message, extra = data.get("code"), data.get("message"), data.get("extra") or {}
+    if not isinstance(code, str) or not isinstance(message, str) or not isinstance(extra, dict):
+        return None
+    return code, message, {str(k): str(v) for k, v in extra.items()}
+
 
 def _map_kj(exc: BaseException, what: str) -> LlmgwError:
     """Turn a capnp exception into ours; keeps only its text."""
     text = str(getattr(exc, "description", None) or exc)
+    wire = _decode_error(text)
+    if wire is not None:
+        code, message, extra = wire
+        return errors.from_wire(code, f"{what}: {message}", extra)
     kind = getattr(exc, "type", None)
     if kind == "DISCONNECTED":
         return Disconnected(f"{what}: connection lost ({text})")
-    if kind == "UNIMPLEMENTED" or "not implemented" in text:
+    if kind == "UNIMPLEMENTED":  # capnp's own: the peer's schema lacks the method
         return NotImplementedRemotely(f"{what}: {text}")
-    if STANDBY_PREFIX in text:
-        leader = text.split(STANDBY_PREFIX, 1)[1].split()[0].strip("'\".,")
-        return RegistrationRefused(f"{what}: {text}", leader=leader or None)
-    if "refused:" in text:
-        return RegistrationRefused(f"{what}: {text.split('refused:', 1)[1].strip()}")
     return RemoteError(f"{what}: {text}")
-
-
-def _remote_message(exc: BaseException) -> str:
-    """What a servant's exception tells the peer: our errors' text, else a generic line."""
-    if isinstance(exc, LlmgwError):
-        return str(exc)
-    return f"internal error in {type(exc).__name__}: {exc}"
 
 
 # --- The capnp thread ------------------------------------------------------------
@@ -130,7 +199,15 @@ class _Outcome:
 class CapnpThread:
     """One thread running asyncio + KJ; every capnp object lives there."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        deadlines: Deadlines | None = None,
+        handshake: _gate.HandshakeLimits | None = None,
+    ) -> None:
+        self.deadlines = deadlines or Deadlines()
+        self.handshake = handshake or _gate.HandshakeLimits()
+        self._gates: list[_gate.HandshakeGate] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -142,6 +219,8 @@ class CapnpThread:
         # capnp side only:
         self._caps: dict[int, Any] = {}
         self._conns: dict[int, _Conn] = {}
+        # Outbound connections: their shim and what was dialled, to explain a refusal.
+        self._dial_info: dict[int, tuple[_Shim, tuple[Any, ...]]] = {}
         self.calls_in_flight = 0
 
     def __repr__(self) -> str:
@@ -151,16 +230,27 @@ class CapnpThread:
         )
 
     def statistics(self) -> dict[str, int]:
-        return {
+        stats = {
             "capabilities": len(self._caps),
             "connections": len(self._conns),
             "calls_in_flight": self.calls_in_flight,
         }
+        # Read from trio while the capnp thread changes them: a snapshot, good enough to watch.
+        for gate in list(self._gates):
+            for key, value in gate.statistics().items():
+                stats[f"handshake_{key}"] = stats.get(f"handshake_{key}", 0) + value
+        return stats
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls) -> AsyncIterator[CapnpThread]:
-        self = cls()
+    async def open(
+        cls,
+        *,
+        deadlines: Deadlines | None = None,
+        handshake: _gate.HandshakeLimits | None = None,
+    ) -> AsyncIterator[CapnpThread]:
+        """Start the thread; `deadlines` bound calls on agents, `handshake` the agents' listener."""
+        self = cls(deadlines=deadlines, handshake=handshake)
         self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -194,10 +284,22 @@ class CapnpThread:
         async with capnp.kj_loop():
             self._ready.set()
             await self._stop.wait()
+            for gate in self._gates:
+                gate.close()
+            self._gates.clear()
             for conn in list(self._conns.values()):
                 conn.close()
             self._caps.clear()
-            # Let transports flush their close before KJ goes away.
+            self._dial_info.clear()
+            # A TLS close waits for the peer's close_notify: give that a moment,
+            # then abort what is left, so no transport outlives this loop.
+            closing = [asyncio.ensure_future(shim.lost_event.wait()) for shim in _Shim.live]
+            if closing:
+                await asyncio.wait(closing, timeout=1.0)
+            for task in closing:
+                task.cancel()
+            for shim in list(_Shim.live):
+                shim.abort()
             await asyncio.sleep(0)
 
     def _shutdown(self) -> None:
@@ -208,16 +310,26 @@ class CapnpThread:
 
     # trio -> capnp -------------------------------------------------------------
 
-    async def run(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+    async def run(
+        self,
+        fn: Callable[..., Coroutine[Any, Any, T]],
+        *args: Any,
+        what: str | None = None,
+        deadline: float | None = None,
+    ) -> T:
         """Run `fn(*args)` on the capnp thread and return its (plain) result.
 
         `fn` must return plain values. Cancelling the trio caller cancels the
-        coroutine, and with it the capnp call it awaits.
+        coroutine, and with it the capnp call it awaits. With a `deadline`
+        (seconds), a call not answered by then is cancelled the same way and
+        raises `DeadlineExceeded("did not answer WHAT in N s")`; `what` names
+        the call (default: `fn`'s name).
         """
+        what = what or getattr(fn, "__name__", "call").lstrip("_")
         loop = self._loop
         if loop is None or loop.is_closed():
             raise Disconnected("the RPC thread has stopped")
-        cfut = asyncio.run_coroutine_threadsafe(self._guard(fn, args), loop)
+        cfut = asyncio.run_coroutine_threadsafe(self._guard(fn, args, what), loop)
         done = trio.Event()
         token = self._token
         assert token is not None
@@ -228,20 +340,25 @@ class CapnpThread:
 
         cfut.add_done_callback(wake)
         try:
-            await done.wait()
+            with trio.move_on_after(deadline if deadline is not None else float("inf")):
+                await done.wait()
         except trio.Cancelled:
             cfut.cancel()
             raise
+        if not done.is_set():
+            cfut.cancel()
+            raise DeadlineExceeded(f"did not answer {what} in {deadline:g} s")
         outcome: _Outcome = cfut.result()
         if outcome.error is not None:
             raise outcome.error
         return outcome.value  # type: ignore[no-any-return]
 
-    async def _guard(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> _Outcome:
+    async def _guard(
+        self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], what: str
+    ) -> _Outcome:
         # Build our error outside the except block: the capnp exception, and
         # the frames its traceback holds, must die on this thread.
         self.calls_in_flight += 1
-        what = getattr(fn, "__name__", "call").lstrip("_")
         error: LlmgwError | None = None
         try:
             return _Outcome(value=await fn(*args))
@@ -348,10 +465,18 @@ class CapnpThread:
         *,
         agent: AgentServant | None = None,
         timeout: float = 10.0,
+        cert_path: Path | None = None,
+        node: str | None = None,
     ) -> AsyncIterator[ClientConnection]:
-        """Dial a control plane; yields a connection whose `registry` is the bootstrap."""
+        """Dial a control plane; yields a connection whose `registry` is the bootstrap.
+
+        `cert_path` (this side's certificate) and `node` (its node id) are only
+        named in the sentence that explains a TLS refusal.
+        """
         closed = trio.Event()
-        conn_id, registry_id = await self.run(self._dial, host, port, tls, timeout, closed)
+        conn_id, registry_id = await self.run(
+            self._dial, host, port, tls, timeout, closed, cert_path, node
+        )
         conn = ClientConnection(
             self, conn_id, f"{host}:{port}", RegistryHandle(self, registry_id), closed
         )
@@ -364,13 +489,28 @@ class CapnpThread:
                 await self.close_connection(conn_id)
 
     async def _dial(
-        self, host: str, port: int, tls: ssl.SSLContext, timeout: float, closed: trio.Event
+        self,
+        host: str,
+        port: int,
+        tls: ssl.SSLContext,
+        timeout: float,
+        closed: trio.Event,
+        cert_path: Path | None,
+        node: str | None,
     ) -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        streams: list[Any] = []
+        shim = _Shim(lambda stream, _: streams.append(stream))
         failure: ssl.SSLError | None = None
         try:
-            stream = await asyncio.wait_for(
-                capnp.AsyncIoStream.create_connection(
-                    host, port, ssl=tls, server_hostname=host, ssl_handshake_timeout=timeout
+            await asyncio.wait_for(
+                _gate.open_tls(
+                    lambda factory: loop.create_connection(factory, host, port),
+                    shim,
+                    tls,
+                    server_side=False,
+                    server_hostname=host,
+                    timeout=timeout,
                 ),
                 timeout,
             )
@@ -382,27 +522,70 @@ class CapnpThread:
             raise Disconnected(
                 "connection refused (is llmgw-cp running and listening there?)"
             ) from None
+        except (ConnectionResetError, ConnectionAbortedError):
+            # The control plane closed at once: its log says why (a full listener, ...).
+            raise TlsRefused(
+                _tls.describe_tls_failure(
+                    ConnectionResetError(), host, port, cert_path=cert_path, node=node
+                )
+            ) from None
         except OSError as exc:
             raise Disconnected(f"cannot connect: {exc.strerror or exc}") from None
         if failure is not None:
             # Say which names the certificate does hold: one more, unverified, look at it.
-            presented = await asyncio.get_running_loop().run_in_executor(
+            presented = await loop.run_in_executor(
                 None, functools.partial(_tls.fetch_server_certificate, host, port, timeout=3.0)
             )
-            message = _tls.describe_tls_failure(failure, host, port, server_cert=presented)
+            message = _tls.describe_tls_failure(
+                failure, host, port, server_cert=presented, cert_path=cert_path, node=node
+            )
             raise TlsRefused(message)
+        stream = streams[0]
         client = capnp.TwoPartyClient(stream)
         conn = _Conn(next(self._ids), client, stream, closed, self)
+        self._dial_info[conn.conn_id] = (shim, (host, port, tls, cert_path, node))
         self._conns[conn.conn_id] = conn
         conn.watch(client.on_disconnect())
         registry = client.bootstrap().cast_as(schema.Registry)
         return conn.conn_id, self._keep(registry, conn)
+
+    async def tls_refusal(self, conn_id: int) -> str | None:
+        """Why the control plane dropped this connection, if a TLS refusal is why.
+
+        With TLS 1.3 the control plane refuses a client certificate after the
+        agent's side of the handshake is done: the agent learns it from an
+        alert on its next read, or, when it had already written, perhaps only
+        from the reset after that alert. In that case one more handshake,
+        which writes nothing, reads the alert (`_tls.probe_refusal`).
+        """
+
+        async def explain() -> str | None:
+            entry = self._dial_info.get(conn_id)
+            if entry is None:
+                return None
+            shim, (host, port, tls, cert_path, node) = entry
+            lost = shim.lost
+            if not isinstance(lost, ssl.SSLError):
+                if not isinstance(lost, ConnectionError):
+                    return None  # closed cleanly: not a TLS refusal
+                lost = await asyncio.get_running_loop().run_in_executor(
+                    None, functools.partial(_tls.probe_refusal, host, port, tls, timeout=3.0)
+                )
+                if lost is None:
+                    return None
+            return _tls.describe_tls_failure(lost, host, port, cert_path=cert_path, node=node)
+
+        try:
+            return await self.run(explain)
+        except Disconnected:
+            return None
 
     async def close_connection(self, conn_id: int) -> None:
         async def close() -> None:
             conn = self._conns.get(conn_id)
             if conn is not None:
                 conn.close()
+            self._dial_info.pop(conn_id, None)
 
         with contextlib.suppress(Disconnected):
             await self.run(close)
@@ -416,7 +599,12 @@ class CapnpThread:
         *,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Listen for agents until cancelled; reports the bound port when listening."""
+        """Listen for agents until cancelled; reports the bound port when listening.
+
+        Unauthenticated connections are bounded by `self.handshake` (see
+        llmgw.rpc._gate): a deadline, a cap, and no TLS buffers for a peer
+        that has not begun a TLS handshake.
+        """
         server_id, bound = await self.run(self._listen, host, port, tls, servant)
         try:
             task_status.started(bound)
@@ -425,9 +613,11 @@ class CapnpThread:
             with trio.CancelScope(shield=True):
 
                 async def stop() -> None:
-                    server = self._caps.pop(server_id, None)
-                    if server is not None:
-                        server.close()
+                    gate = self._caps.pop(server_id, None)
+                    if gate is not None:
+                        gate.close()
+                        with contextlib.suppress(ValueError):
+                            self._gates.remove(gate)
 
                 with contextlib.suppress(Disconnected):
                     await self.run(stop)
@@ -435,32 +625,24 @@ class CapnpThread:
     async def _listen(
         self, host: str, port: int, tls: ssl.SSLContext, servant: RegistryServant
     ) -> tuple[int, int]:
-        loop = asyncio.get_running_loop()
+        def protocol_factory() -> asyncio.BaseProtocol:
+            # Built for a connection that began a TLS handshake; the capnp side
+            # of it only once that handshake succeeded.
+            return _Shim(lambda stream, transport: self._accept(stream, transport, servant))
 
-        def protocol_factory() -> Any:
-            # pycapnp's public create_server hides the transport, and with it
-            # the peer certificate; this is the same factory with a hand on it.
-            holder: dict[str, Any] = {}
-
-            def on_connect(stream: Any) -> Coroutine[Any, Any, None]:
-                transport = holder.pop("protocol").transport
-                return self._accept(stream, transport, servant)
-
-            protocol = capnp.AsyncIoStream._connect(on_connect)
-            holder["protocol"] = protocol
-            return protocol
-
+        _gate.raise_open_files_limit()
         try:
-            server = await loop.create_server(protocol_factory, host, port, ssl=tls)
+            sock = _gate.listening_socket(host, port, self.handshake.backlog)
         except OSError as exc:
             raise LlmgwError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        bound = server.sockets[0].getsockname()[1]
-        return self._keep(server, None), bound
+        gate = _gate.HandshakeGate(sock, tls, protocol_factory, self.handshake)
+        self._gates.append(gate)
+        return self._keep(gate, None), gate.port
 
     async def _accept(self, stream: Any, transport: Any, servant: RegistryServant) -> None:
         peername = transport.get_extra_info("peername") if transport is not None else None
         peercert = transport.get_extra_info("peercert") if transport is not None else None
-        address = f"{peername[0]}:{peername[1]}" if peername else "unknown"
+        address = _tls.format_peer(peername)
         closed = trio.Event()
         conn = _Conn(next(self._ids), None, stream, closed, self)
         peer = PeerInfo(conn.conn_id, address, _tls.peer_common_name(peercert), closed)
@@ -469,10 +651,66 @@ class CapnpThread:
         self._conns[conn.conn_id] = conn
         try:
             await server.on_disconnect()
-        except Exception as exc:  # a reset during the handshake ends here too
+        except Exception as exc:  # a reset ends here too
             log.debug("connection %s from %s ended: %s", conn.conn_id, address, exc)
         finally:
             conn.close()
+
+
+class _Shim(asyncio.BufferedProtocol):
+    """Between asyncio's TLS transport and pycapnp's protocol.
+
+    pycapnp's protocol (and the C++ stream behind it) is made only once the
+    TLS handshake has succeeded, so a refused or silent peer costs none of it;
+    and the exception that ended the connection is kept (`lost`), so a TLS
+    alert received after the handshake can be named.
+    """
+
+    # Every connected one, to close what is left when the thread stops.
+    live: weakref.WeakSet[_Shim] = weakref.WeakSet()
+
+    def __init__(self, on_stream: Callable[[Any, asyncio.BaseTransport], Any]) -> None:
+        self._on_stream = on_stream
+        self._inner: Any = None
+        self._transport: asyncio.BaseTransport | None = None
+        self.closed = False
+        self.lost_event = asyncio.Event()
+        self.lost: BaseException | None = None
+
+    def abort(self) -> None:
+        if not self.closed and isinstance(self._transport, asyncio.Transport):
+            self._transport.abort()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        _Shim.live.add(self)
+        on_stream = self._on_stream
+        self._inner = capnp.AsyncIoStream._connect(lambda stream: on_stream(stream, transport))
+        self._inner.connection_made(transport)
+
+    def get_buffer(self, sizehint: int) -> Any:
+        return self._inner.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._inner.buffer_updated(nbytes)
+
+    def eof_received(self) -> bool | None:
+        result: bool | None = self._inner.eof_received()
+        return result
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = exc
+        self.closed = True
+        self.lost_event.set()
+        _Shim.live.discard(self)
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
 
 
 class _Conn:
@@ -557,15 +795,31 @@ class ClientConnection:
     def __repr__(self) -> str:
         return f"<ClientConnection {self.address} closed={self.closed.is_set()}>"
 
-    async def register(self, hello: model.Hello) -> tuple[SessionHandle, model.Settings]:
+    async def register(
+        self, hello: model.Hello, *, deadline: float | None = 30.0
+    ) -> tuple[SessionHandle, model.Settings]:
+        """Register; a connection the control plane dropped at TLS raises `TlsRefused`."""
         if self._agent_servant is None:
             raise LlmgwError("connect(agent=...) is needed to register")
-        return await self.registry.register(hello, self._agent_servant, self.conn_id)
+        try:
+            return await self.registry.register(
+                hello, self._agent_servant, self.conn_id, deadline=deadline
+            )
+        except Disconnected:
+            refusal = await self.bridge.tls_refusal(self.conn_id)
+            if refusal is None:
+                raise
+        raise TlsRefused(refusal)
 
 
 class RegistryHandle(_Handle):
     async def register(
-        self, hello: model.Hello, agent: AgentServant, conn_id: int
+        self,
+        hello: model.Hello,
+        agent: AgentServant,
+        conn_id: int,
+        *,
+        deadline: float | None = 30.0,
     ) -> tuple[SessionHandle, model.Settings]:
         bridge = self._bridge
 
@@ -579,12 +833,14 @@ class RegistryHandle(_Handle):
             settings = _codec.decode(model.Settings, response.settings)
             return bridge._keep(response.session, conn), settings
 
-        session_id, settings = await bridge.run(register)
+        session_id, settings = await bridge.run(register, what="register", deadline=deadline)
         return SessionHandle(bridge, session_id), settings
 
 
 class SessionHandle(_Handle):
-    async def heartbeat(self, beat: model.Heartbeat) -> None:
+    """The agent's hold on its `NodeSession`; `deadline` bounds each call (seconds)."""
+
+    async def heartbeat(self, beat: model.Heartbeat, *, deadline: float | None = None) -> None:
         bridge = self._bridge
 
         async def heartbeat() -> None:
@@ -592,9 +848,11 @@ class SessionHandle(_Handle):
             _codec.encode(beat, request.beat)
             await request.send()
 
-        await bridge.run(heartbeat)
+        await bridge.run(heartbeat, what="heartbeat", deadline=deadline)
 
-    async def shard_status(self, shard: model.ShardReport) -> None:
+    async def shard_status(
+        self, shard: model.ShardReport, *, deadline: float | None = None
+    ) -> None:
         bridge = self._bridge
 
         async def shard_status() -> None:
@@ -602,9 +860,9 @@ class SessionHandle(_Handle):
             _codec.encode(shard, request.shard)
             await request.send()
 
-        await bridge.run(shard_status)
+        await bridge.run(shard_status, what="shardStatus", deadline=deadline)
 
-    async def progress(self, progress: model.Progress) -> None:
+    async def progress(self, progress: model.Progress, *, deadline: float | None = None) -> None:
         bridge = self._bridge
 
         async def progress_() -> None:
@@ -612,11 +870,22 @@ class SessionHandle(_Handle):
             _codec.encode(progress, request.progress)
             await request.send()
 
-        await bridge.run(progress_)
+        await bridge.run(progress_, what="progress", deadline=deadline)
 
 
 class AgentHandle(_Handle):
-    """The control plane's hold on one agent's `Agent` capability."""
+    """The control plane's hold on one agent's `Agent` capability.
+
+    Every call has a deadline from the bridge's `Deadlines` (default 10 s):
+    an agent that accepts a call and never answers (SIGSTOP, a partition
+    without RST) costs its caller that long, then `DeadlineExceeded`.
+    """
+
+    async def _call(
+        self, what: str, fn: Callable[[], Coroutine[Any, Any, T]], extra_s: float = 0.0
+    ) -> T:
+        bridge = self._bridge
+        return await bridge.run(fn, what=what, deadline=bridge.deadlines.of(what, extra_s))
 
     async def inventory(self) -> model.Inventory:
         bridge = self._bridge
@@ -626,7 +895,7 @@ class AgentHandle(_Handle):
             result: model.Inventory = _codec.decode(model.Inventory, response.inventory)
             return result
 
-        return await bridge.run(inventory)
+        return await self._call("inventory", inventory)
 
     async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
         bridge = self._bridge
@@ -639,7 +908,7 @@ class AgentHandle(_Handle):
             report: model.ShardReport = _codec.decode(model.ShardReport, response.shard)
             return report
 
-        return await bridge.run(start_shard)
+        return await self._call("startShard", start_shard)
 
     async def stop_shard(self, epoch: int, shard_id: str, grace_s: float) -> None:
         bridge = self._bridge
@@ -648,7 +917,8 @@ class AgentHandle(_Handle):
             cap = bridge._cap(self._cap_id, "stopShard")
             await cap.stopShard(epoch, shard_id, grace_s)
 
-        await bridge.run(stop_shard)
+        # The agent waits up to the grace for the engine to exit, then kills it.
+        await self._call("stopShard", stop_shard, extra_s=grace_s)
 
     async def logs(self, shard_id: str, lines: int) -> list[model.LogLine]:
         bridge = self._bridge
@@ -660,7 +930,7 @@ class AgentHandle(_Handle):
             response = await request.send()
             return [_codec.decode(model.LogLine, line) for line in response.tail]
 
-        return await bridge.run(logs)
+        return await self._call("logs", logs)
 
     async def engine_check(self, engine: str, argv: tuple[str, ...]) -> model.FlagCheck:
         bridge = self._bridge
@@ -673,7 +943,7 @@ class AgentHandle(_Handle):
             check: model.FlagCheck = _codec.decode(model.FlagCheck, response.check)
             return check
 
-        return await bridge.run(engine_check)
+        return await self._call("engineCheck", engine_check)
 
     async def call_unimplemented(self, method: str) -> None:
         """Call a declared method with empty arguments (tests the "not implemented" path)."""
@@ -683,15 +953,14 @@ class AgentHandle(_Handle):
             request = getattr(bridge._cap(self._cap_id, method), f"{method}_request")()
             await request.send()
 
-        call.__name__ = method
-        await bridge.run(call)
+        await self._call(method, call)
 
 
 # --- capnp server implementations (capnp thread) ---------------------------------------
-
-
-def _raise_remote(exc: BaseException) -> None:
-    raise capnp.KjException(_remote_message(exc))
+#
+# A servant's exception leaves as `_encode_error(exc)`: its code, message and
+# extra fields. The KjException is raised outside the `except` block so the
+# trio-side exception (and its frames) is not chained onto it.
 
 
 class _RegistryImpl(schema.Registry.Server):  # type: ignore[misc]
@@ -711,8 +980,8 @@ class _RegistryImpl(schema.Registry.Server):  # type: ignore[misc]
             session, settings = await bridge.to_trio(
                 self._servant.register, self._peer, hello, agent
             )
-        except LlmgwError as exc:
-            message = str(exc)
+        except Exception as exc:
+            message = _encode_error(exc)
         else:
             context.results.session = _SessionImpl(bridge, session)
             _codec.encode(settings, context.results.init("settings"))
@@ -742,7 +1011,7 @@ class _SessionImpl(schema.NodeSession.Server):  # type: ignore[misc]
         try:
             return await self._bridge.to_trio(fn, *args)
         except Exception as exc:
-            message = _remote_message(exc)
+            message = _encode_error(exc)
         raise capnp.KjException(message)
 
 
@@ -754,12 +1023,14 @@ class _AgentImpl(schema.Agent.Server):  # type: ignore[misc]
     async def _call(self, name: str, *args: Any) -> Any:
         fn = getattr(self._servant, name, None)
         if fn is None:
-            raise capnp.KjException(f"not implemented: {name} is not supported by this agent yet")
+            raise capnp.KjException(
+                _encode_error(NotImplementedRemotely(f"{name} is not supported by this agent yet"))
+            )
         message = None
         try:
             return await self._bridge.to_trio(fn, *args)
         except Exception as exc:
-            message = _remote_message(exc)
+            message = _encode_error(exc)
         raise capnp.KjException(message)
 
     async def inventory_context(self, context: Any) -> None:

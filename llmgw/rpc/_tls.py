@@ -27,9 +27,12 @@ from llmgw.errors import ConfigError
 __all__ = [
     "check_files",
     "client_context",
+    "describe_client_refusal",
     "describe_tls_failure",
     "fetch_server_certificate",
+    "format_peer",
     "peer_common_name",
+    "probe_refusal",
     "server_context",
 ]
 
@@ -221,6 +224,95 @@ def fetch_server_certificate(
         return None
 
 
+def probe_refusal(
+    host: str, port: int, ctx: ssl.SSLContext, *, timeout: float = 3.0
+) -> BaseException | None:
+    """Why the server at host:port refuses this client, by one more handshake; None if it does not.
+
+    Blocking (run it in a worker thread). With TLS 1.3 a server refuses a
+    client certificate only after the client's side of the handshake is done,
+    with an alert the client reads next; an RPC connection that has already
+    written may see only the reset that follows the alert. This handshake
+    writes nothing after it, so the alert is what it reads.
+    """
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout) as sock,
+            ctx.wrap_socket(sock, server_hostname=host) as tls,
+        ):
+            tls.recv(1)  # the server sends nothing unprompted but session tickets
+    except (ssl.SSLError, ConnectionError) as exc:
+        return exc
+    except OSError:  # a timeout: the server accepted us and waits for the RPC
+        return None
+    return None
+
+
+def format_peer(peer: object) -> str:
+    """host:port of a socket address ([v6]:port), or "unknown"."""
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return _hostport(str(peer[0]), int(peer[1]))
+    return "unknown"
+
+
+def describe_client_refusal(exc: BaseException) -> str:
+    """The control plane's side: why an agent's TLS handshake failed, and what to run."""
+    cause = _cause(exc)
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        code: object = getattr(cause, "verify_code", None)
+        message = str(getattr(cause, "verify_message", None) or _reason(cause))
+        if code in _UNKNOWN_ISSUER:
+            return (
+                f"its certificate is not signed by this control plane's CA ({message}); "
+                "issue the agent's certificate from this CA with `llmgw ctl cert agent NODE`"
+            )
+        if code == _V_CERT_HAS_EXPIRED:
+            return (
+                f"its certificate has expired ({message}); issue a new one with "
+                "`llmgw ctl cert agent NODE --force`"
+            )
+        if code == _V_CERT_NOT_YET_VALID:
+            return (
+                f"its certificate is not valid yet ({message}); check the clocks of the "
+                "agent, of this machine and of the machine that issued it"
+            )
+        if code == _V_INVALID_PURPOSE:
+            return (
+                f"its certificate is not a client certificate ({message}); "
+                "issue one with `llmgw ctl cert agent NODE`"
+            )
+        return f"its certificate failed verification: {message}"
+    if isinstance(cause, ssl.SSLError):
+        reason = _reason(cause)
+        if reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+            return (
+                "it sent no client certificate; issue one with `llmgw ctl cert agent NODE` "
+                "and set tls.cert and tls.key in the agent's config"
+            )
+        alert = _alert(reason)
+        if alert in ("unknown ca", "bad certificate", "certificate unknown"):
+            return (
+                f"it refused this control plane's certificate ({alert}); copy this control "
+                "plane's ca.crt to the agent's tls.ca"
+            )
+        if alert == "certificate expired":
+            return (
+                "it refused this control plane's certificate (certificate expired); run "
+                "`llmgw ctl cert server --host NAME --force` and restart llmgw-cp"
+            )
+        if alert is not None:
+            return f"it ended the TLS handshake with the alert {alert!r}"
+        upper = reason.upper()
+        if "WRONG_VERSION_NUMBER" in upper or "HTTP_REQUEST" in upper or "UNEXPECTED" in upper:
+            return f"it does not speak TLS ({reason})"
+        return f"TLS handshake failed: {reason}"
+    if isinstance(cause, ConnectionError | EOFError):
+        return "it closed the connection during the TLS handshake"
+    if isinstance(cause, TimeoutError):
+        return "it did not finish the TLS handshake in time"
+    return f"TLS handshake failed: {type(exc).__name__}: {exc}"
+
+
 # --- failures ------------------------------------------------------------------
 
 
@@ -232,6 +324,7 @@ def describe_tls_failure(
     cert_path: Path | None = None,
     ca_path: Path | None = None,
     server_cert: bytes | None = None,
+    node: str | None = None,
 ) -> str:
     """Say why a TLS connection to host:port failed, and what to change.
 
@@ -240,14 +333,14 @@ def describe_tls_failure(
     certificate and `ca_path` the CA it trusts, named in the advice when given.
     `server_cert` is the server's DER certificate if it could be had (see
     `fetch_server_certificate`); it tells which names the certificate holds and
-    when it expired.
+    when it expired. `node` is this agent's node id, named in the commands to run.
     """
     where = _hostport(host, port)
     cause = _cause(exc)
     if isinstance(cause, ssl.SSLCertVerificationError):
         return _describe_verify(cause, host, where, ca_path, _parse(server_cert))
     if isinstance(cause, ssl.SSLError):
-        return _describe_ssl(cause, where, cert_path)
+        return _describe_ssl(cause, where, cert_path, node or "NODE")
     if isinstance(cause, ConnectionRefusedError):
         return (
             f"connection to {where} refused: nothing listens there; "
@@ -331,20 +424,41 @@ def _describe_verify(
     return f"{subject} failed verification: {message}"
 
 
-def _describe_ssl(exc: ssl.SSLError, where: str, cert_path: Path | None) -> str:
+def _describe_ssl(exc: ssl.SSLError, where: str, cert_path: Path | None, node: str) -> str:
     reason = _reason(exc)
     alert = _alert(reason)
     mine = f" {cert_path}" if cert_path is not None else ""
+    own = _own_certificate(cert_path)
+    refused = f"the control plane at {where} refused this agent's certificate{mine}"
     if alert == "certificate required":
         return (
             f"the control plane at {where} requires a client certificate and this agent "
-            f"sent none; issue one with `llmgw ctl cert agent NODE` and configure it"
+            f"sent none; issue one with `llmgw ctl cert agent {node}` and configure it"
+        )
+    if alert == "unknown ca":
+        return (
+            f"{refused}: it is not signed by the CA the control plane trusts (unknown ca); "
+            f"on the control plane run `llmgw ctl cert agent {node}` and copy the "
+            f"agent-{node}.crt and .key it writes, with its ca.crt, to this agent"
+        )
+    if alert == "certificate expired":
+        when = f" on {_when(own.not_valid_after_utc)}" if own is not None else ""
+        return (
+            f"{refused}: it expired{when} (certificate expired); on the control plane run "
+            f"`llmgw ctl cert agent {node} --force` and copy the new agent-{node}.crt and "
+            ".key to this agent"
+        )
+    if own is not None and own.not_valid_before_utc > dt.datetime.now(dt.UTC):
+        # OpenSSL sends "bad certificate" for a certificate not valid yet.
+        return (
+            f"{refused}: it is not valid until {_when(own.not_valid_before_utc)} "
+            f"({alert or reason}); check the clocks of this machine and of the machine "
+            f"that issued it, or issue it again with `llmgw ctl cert agent {node} --force`"
         )
     if alert in _CLIENT_CERT_ALERTS:
         return (
-            f"the control plane at {where} refused this agent's certificate{mine} ({alert}); "
-            "check it was issued by the same CA with `llmgw ctl cert agent NODE` "
-            "and has not expired"
+            f"{refused} ({alert}); check it was issued by the same CA with "
+            f"`llmgw ctl cert agent {node}` and has not expired"
         )
     if alert == "handshake failure":
         return (
@@ -407,6 +521,15 @@ def _alert(reason: str) -> str | None:
     if not sep or not head.startswith(("SSL", "TLS")):
         return None
     return name.lower().replace("_", " ")
+
+
+def _own_certificate(path: Path | None) -> x509.Certificate | None:
+    if path is None:
+        return None
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError):
+        return None
 
 
 def _parse(der: bytes | None) -> x509.Certificate | None:

@@ -263,10 +263,13 @@ def test_agent_cert_from_another_ca_is_refused(
     seen = server.outcome()
     assert isinstance(seen, ssl.SSLCertVerificationError)
     assert seen.verify_code == UNABLE_TO_GET_ISSUER_CERT_LOCALLY
-    assert describe_tls_failure(exc, "127.0.0.1", server.port, cert_path=cert_path) == (
+    assert describe_tls_failure(
+        exc, "127.0.0.1", server.port, cert_path=cert_path, node="n1"
+    ) == (
         f"the control plane at 127.0.0.1:{server.port} refused this agent's certificate "
-        f"{cert_path} (unknown ca); check it was issued by the same CA with "
-        "`llmgw ctl cert agent NODE` and has not expired"
+        f"{cert_path}: it is not signed by the CA the control plane trusts (unknown ca); "
+        "on the control plane run `llmgw ctl cert agent n1` and copy the agent-n1.crt "
+        "and .key it writes, with its ca.crt, to this agent"
     )
 
 
@@ -281,9 +284,15 @@ def test_expired_agent_cert_is_refused(
     seen = server.outcome()
     assert isinstance(seen, ssl.SSLCertVerificationError)
     assert seen.verify_code == CERT_HAS_EXPIRED
-    message = describe_tls_failure(exc, "127.0.0.1", server.port)
-    assert "refused this agent's certificate (certificate expired)" in message
-    assert "has not expired" in message
+    message = describe_tls_failure(
+        exc, "127.0.0.1", server.port, cert_path=pki.pair("agent-old")[0], node="old"
+    )
+    assert message == (
+        f"the control plane at 127.0.0.1:{server.port} refused this agent's certificate "
+        f"{pki.pair('agent-old')[0]}: it expired on {end.strftime('%Y-%m-%d %H:%M UTC')} "
+        "(certificate expired); on the control plane run `llmgw ctl cert agent old --force` "
+        "and copy the new agent-old.crt and .key to this agent"
+    )
 
 
 def test_server_certificate_is_refused_as_a_client_certificate(
