@@ -9,6 +9,8 @@ llmgw.rpc converts between them by name.
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
 # --- Hardware inventory -----------------------------------------------------
@@ -144,7 +146,8 @@ class GpuUsage:
     index: int
     memory_used_mib: int | None = None
     utilization_pct: float | None = None
-    foreign_memory_mib: int | None = None
+    foreign_memory_mib: int | None = None  # held by processes outside every engine's tree
+    ecc_uncorrected: int | None = None  # volatile uncorrected ECC errors since the driver loaded
 
 
 @attrs.frozen
@@ -192,6 +195,22 @@ class Label:
 # --- Session ------------------------------------------------------------------
 
 
+class ShardState(enum.StrEnum):
+    """Where a shard stands; the values are what travels (ShardReport.state).
+
+    The agent's supervisor moves between them through its transition table
+    (llmgw.agent._supervisor.TRANSITIONS); `unhealthy` is a shard that was
+    ready and whose health checks have failed several times in a row.
+    """
+
+    STARTING = "starting"
+    LOADING = "loading"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
 @attrs.frozen
 class ShardReport:
     """A shard the agent runs, as reported at registration and on every change."""
@@ -199,7 +218,7 @@ class ShardReport:
     shard_id: str
     model: str
     engine: str
-    state: str  # starting, loading, ready, failed, stopped
+    state: str  # a ShardState value
     port: int | None = None
     pids: tuple[int, ...] = ()
     reason: str | None = None
@@ -314,3 +333,7 @@ class NodeView:
     inventory: Inventory | None
     shards: tuple[ShardReport, ...] = ()
     cordoned: str | None = None  # why, when an operator cordoned it
+    draining: str | None = None  # why, when an operator drained it (uncordon lifts it)
+    # Which registration this is: larger after every new one (the control plane's
+    # count, not the agent's). None: not known.
+    generation: int | None = None

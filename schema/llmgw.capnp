@@ -98,6 +98,7 @@ struct GpuUsage {
   memoryUsedMib @1 :OptI64;
   utilizationPct @2 :OptF64;
   foreignMemoryMib @3 :OptI64;
+  eccUncorrected @4 :OptI64;
 }
 
 struct ShardUsage {

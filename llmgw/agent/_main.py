@@ -16,7 +16,7 @@ from llmgw._process import run_service, setup_logging
 from llmgw.agent._node import Node
 from llmgw.agent._servant import AgentServant
 from llmgw.agent._session import AgentSession, Backoff
-from llmgw.agent._supervisor import Supervisor
+from llmgw.agent._supervisor import HealthPolicy, Supervisor
 from llmgw.errors import ConfigError
 from llmgw.rpc import CapnpThread, _tls
 
@@ -56,6 +56,8 @@ def load_config(path: Path) -> config.AgentConfig:
     cfg = config.load(path, config.AgentConfig)
     if not cfg.addresses:
         raise ConfigError(f"{path}: servers: name at least one control plane (host:port)")
+    # Before anything starts: a missing file is named by its key, not only its path.
+    config.check_tls_files(cfg.tls, path)
     return cfg
 
 
@@ -94,6 +96,13 @@ async def serve(cfg: config.AgentConfig) -> None:
         on_change=on_shard_change,
         engine_paths=engine_paths,
         grace_s=cfg.stop_grace_s,
+        health=HealthPolicy(
+            interval_s=cfg.health_interval_s,
+            timeout_s=cfg.health_timeout_s,
+            failures=cfg.health_failures,
+        ),
+        failed_kept=cfg.failed_shards_kept,
+        node_id=cfg.node_id,
     )
     node.llmgw_pids = supervisor.pids
     node.shard_pids = supervisor.shard_pids
@@ -106,6 +115,7 @@ async def serve(cfg: config.AgentConfig) -> None:
         heartbeat=node.heartbeat,
         shards=supervisor.reports,
         backoff=Backoff(cfg.reconnect_initial_s, cfg.reconnect_max_s),
+        cert_path=cfg.tls.cert,
     )
     log.info(
         "agent %s starting; control planes: %s",
@@ -113,8 +123,11 @@ async def serve(cfg: config.AgentConfig) -> None:
         ", ".join(f"{h}:{p}" for h, p in cfg.addresses),
     )
     async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
-        # Adopt surviving engines before registering: the hello reports them.
+        # Adopt surviving engines before registering: the hello reports them,
+        # and discovery must know their pids to tell whose GPU memory is whose.
         await nursery.start(supervisor.run)
+        # Once per process: every reconnect registers with what is known.
+        await node.discover()
         nursery.start_soon(node.sample_forever)
         await session.run(bridge)
 

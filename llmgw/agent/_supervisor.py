@@ -10,6 +10,12 @@ The full spec, the pids and their start times are written to the state
 directory before anything else happens, so a restarted agent adopts every
 live engine it can identify (pid, start time and command line all matching),
 health-checks the adopted ones, and kills an engine it cannot describe.
+
+A shard's state moves only through the table in `_lifecycle`: a ready shard
+stays health-checked, and one whose checks fail `health.failures` times in a
+row is reported unhealthy, with those failures as its reason. The last few
+failed shards' directories (logs included) are kept under
+`<state_dir>/failed/` so that `logs` can still say what happened.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,17 +37,41 @@ import trio
 
 from llmgw import config, model
 from llmgw.agent import _procfs
-from llmgw.errors import LlmgwError, UsageError
+from llmgw.agent._lifecycle import RUNNING, HealthRun, ShardEvent, next_state
+from llmgw.errors import LlmgwError, NotFound, UsageError
+from llmgw.model import ShardState
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
 TAIL_LINES = 40
 LOG_LIMIT_BYTES = 64 << 20  # an engine's log is cut back to its tail beyond this
 _SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+FAILED_KEPT = 5  # failed shards whose directories are kept, newest first
+LAST_LINES = 10  # output lines a failure's reason carries
 
 
 class ShardError(LlmgwError):
     """A shard could not be started or stopped; the message says why."""
+
+
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be a positive number, got {value}")
+
+
+@attrs.frozen
+class HealthPolicy:
+    """How a shard's health is watched.
+
+    `poll_s` while it loads (how soon it is seen ready), `interval_s` once it
+    has been ready, each check bounded by `timeout_s`; `failures` checks in a
+    row that fail make a ready shard unhealthy.
+    """
+
+    interval_s: float = attrs.field(default=5.0, validator=_positive)
+    poll_s: float = attrs.field(default=1.0, validator=_positive)
+    timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    failures: int = attrs.field(default=3, validator=_positive)
 
 
 @attrs.define
@@ -74,11 +105,14 @@ class ProcRecord:
 class Shard:
     spec: model.ShardSpec
     dir: Path
-    state: str = "starting"
+    health: HealthRun
+    state: ShardState = ShardState.STARTING
     reason: str | None = None
     procs: list[ProcRecord] = attrs.field(factory=list)
     stopping: bool = False
+    failing: bool = False
     adopted: bool = False
+    failed_at: float | None = None  # unix time
     done: trio.Event = attrs.field(factory=trio.Event)
     scope: trio.CancelScope | None = None
 
@@ -87,7 +121,7 @@ class Shard:
             shard_id=self.spec.shard_id,
             model=self.spec.model,
             engine=self.spec.engine,
-            state=self.state,
+            state=self.state.value,
             port=self.spec.port,
             pids=tuple(p.pid for p in self.procs),
             reason=self.reason,
@@ -138,28 +172,35 @@ class Supervisor:
         on_change: Callable[[model.ShardReport], None] = lambda report: None,
         engine_paths: Mapping[str, str] | None = None,
         grace_s: float = 10.0,
-        health_interval_s: float = 1.0,
+        health: HealthPolicy = HealthPolicy(),
+        failed_kept: int = FAILED_KEPT,
+        node_id: str | None = None,
         proc: Path = _procfs.PROC,
     ) -> None:
         self.state_dir = state_dir
         self.shards_dir = state_dir / "shards"
+        self.failed_dir = state_dir / "failed"
         self._on_change = on_change
         self._engine_paths = dict(engine_paths or {})
         self.grace_s = grace_s
-        self.health_interval_s = health_interval_s
+        self.health = health
+        self.failed_kept = failed_kept
+        self.node_id = node_id
         self._proc = proc
         self._owner = str(state_dir.resolve())
         self._shards: dict[str, Shard] = {}
         self._nursery: trio.Nursery | None = None
 
     def __repr__(self) -> str:
-        states = {s.spec.shard_id: s.state for s in self._shards.values()}
+        states = {s.spec.shard_id: s.state.value for s in self._shards.values()}
         return f"<Supervisor {self.state_dir} {states}>"
 
     def statistics(self) -> dict[str, int]:
+        """Shards per state, and how many failed shards' directories are kept."""
         counts: dict[str, int] = {}
         for shard in self._shards.values():
-            counts[shard.state] = counts.get(shard.state, 0) + 1
+            counts[shard.state.value] = counts.get(shard.state.value, 0) + 1
+        counts["failed_kept"] = len(self._kept())
         return counts
 
     # lifecycle ------------------------------------------------------------------------
@@ -186,21 +227,34 @@ class Supervisor:
         return {
             shard_id: {p.pid for p in s.procs}
             for shard_id, s in self._shards.items()
-            if s.state not in ("failed", "stopped")
+            if s.state in RUNNING
         }
 
-    def _set(self, shard: Shard, state: str, reason: str | None = None) -> None:
+    def _apply(self, shard: Shard, event: ShardEvent, reason: str | None = None) -> None:
+        """Move `shard` along the table; the reason is kept while nothing says otherwise."""
+        state = next_state(shard.state, event)
+        if event is ShardEvent.CHECK_FAILED:
+            reason = shard.reason
+        elif event is ShardEvent.HEALTH_LOST:
+            reason = shard.health.reason()
+        if state is ShardState.FAILED:
+            shard.failed_at = time.time()
+        self._set(shard, state, reason)
+
+    def _set(self, shard: Shard, state: ShardState, reason: str | None = None) -> None:
         if shard.state == state and shard.reason == reason:
             return
-        log.info(
+        level = logging.WARNING if state is ShardState.UNHEALTHY else logging.INFO
+        log.log(
+            level,
             "shard %s: %s -> %s%s",
             shard.spec.shard_id,
-            shard.state,
-            state,
+            shard.state.value,
+            state.value,
             f" ({reason.splitlines()[0]})" if reason else "",
         )
         shard.state, shard.reason = state, reason
-        if state not in ("stopped",):
+        if state is not ShardState.STOPPED:
             self._save_run(shard)
         self._on_change(shard.report())
 
@@ -210,8 +264,9 @@ class Supervisor:
         _write_json(
             shard.dir / "run.json",
             {
-                "state": shard.state,
+                "state": shard.state.value,
                 "reason": shard.reason,
+                "failed_at": shard.failed_at,
                 "procs": [
                     {
                         "name": p.name,
@@ -233,10 +288,12 @@ class Supervisor:
         if not spec.processes or spec.processes[-1].role != "engine":
             raise UsageError(f"shard {spec.shard_id}: the last process must be the engine")
         existing = self._shards.get(spec.shard_id)
-        if existing is not None and existing.state not in ("failed", "stopped"):
+        if existing is not None and existing.state in RUNNING:
             if existing.spec == spec:
                 return existing.report()  # a retried command: already running
-            raise UsageError(f"shard {spec.shard_id} is already {existing.state} with another spec")
+            raise UsageError(
+                f"shard {spec.shard_id} is already {existing.state.value} with another spec"
+            )
         if existing is not None:
             await self._forget(existing)
         assert self._nursery is not None, "Supervisor.run is not running"
@@ -245,7 +302,7 @@ class Supervisor:
         # The spec is on disk before the first process exists: a crash right
         # after spawning still leaves a describable engine.
         _write_json(shard_dir / "spec.json", config.unstructure(spec))
-        shard = Shard(spec=spec, dir=shard_dir)
+        shard = Shard(spec=spec, dir=shard_dir, health=HealthRun(self.health.failures))
         self._shards[spec.shard_id] = shard
         self._save_run(shard)
         self._on_change(shard.report())
@@ -317,13 +374,6 @@ class Supervisor:
             f"{spec.name} did not open {host}:{spec.wait_port} within {spec.wait_timeout_s:g} s"
         )
 
-    async def _launch(self, shard: Shard) -> None:
-        for spec in shard.spec.processes:
-            await self._spawn(shard, spec)
-            if spec.wait_port is not None:
-                await self._wait_port(shard, spec)
-        self._set(shard, "loading")
-
     # supervise -----------------------------------------------------------------------
 
     async def _supervise(self, shard: Shard, launch: bool) -> None:
@@ -340,12 +390,12 @@ class Supervisor:
                         nursery.start_soon(self._watch, shard, record, nursery)
                     nursery.start_soon(self._health, shard)
         except ShardError as exc:
-            await self._fail(shard, str(exc))
+            await self._fail(shard, self._with_last_lines(shard, str(exc)))
         except BaseExceptionGroup as group:
             errors = [e for e in group.exceptions if isinstance(e, ShardError)]
             if not errors or len(errors) != len(group.exceptions):
                 raise
-            await self._fail(shard, str(errors[0]))
+            await self._fail(shard, self._with_last_lines(shard, str(errors[0])))
         finally:
             shard.done.set()
 
@@ -357,7 +407,7 @@ class Supervisor:
             nursery.start_soon(self._watch, shard, record, nursery)
             if spec.wait_port is not None:
                 await self._wait_port(shard, spec)
-        self._set(shard, "loading")
+        self._apply(shard, ShardEvent.LAUNCHED)
         nursery.start_soon(self._health, shard)
 
     async def _watch(self, shard: Shard, record: ProcRecord, nursery: trio.Nursery) -> None:
@@ -372,11 +422,8 @@ class Supervisor:
         if code is not None and code < 0:
             how = f"was killed by {signal.Signals(-code).name}"
         reason = f"{record.name} (pid {record.pid}) {how}"
-        last = self._last_lines(shard, record.name, 10)
-        if last:
-            reason += "; last output:\n" + "\n".join(last)
         nursery.cancel_scope.cancel()
-        await self._fail(shard, reason)
+        await self._fail(shard, self._with_last_lines(shard, reason, record.name))
 
     def _last_lines(self, shard: Shard, name: str, lines: int) -> list[str]:
         out: list[str] = []
@@ -385,37 +432,63 @@ class Supervisor:
             out += [f"[{source}] {line}" for line in _tail(path, lines)]
         return out[-lines:]
 
+    def _with_last_lines(self, shard: Shard, reason: str, name: str | None = None) -> str:
+        """The reason, and the last output of `name` (default: the last process started)."""
+        if name is None:
+            if not shard.procs:
+                return reason
+            name = shard.procs[-1].name
+        last = self._last_lines(shard, name, LAST_LINES)
+        return reason + ("; last output:\n" + "\n".join(last) if last else "")
+
     async def _health(self, shard: Shard) -> None:
         spec = shard.spec
         if not spec.serves_http or spec.port is None:
             # A rank that serves no HTTP is judged by staying alive.
             await trio.sleep(2.0)
-            self._set(shard, "ready")
+            self._apply(shard, ShardEvent.HEALTHY)
             return
         base = f"http://127.0.0.1:{spec.port}"
         names = set(spec.served_names) | {spec.model}
-        async with httpx.AsyncClient(base_url=base, timeout=5.0) as client:
+        policy = self.health
+        async with httpx.AsyncClient(base_url=base, timeout=policy.timeout_s) as client:
             while True:
-                if await self._healthy(client, spec, names):
-                    self._set(shard, "ready")
-                    interval = max(5.0, self.health_interval_s)
-                else:
-                    interval = self.health_interval_s
+                failure: str | None = f"timed out after {policy.timeout_s:g} s"
+                with trio.move_on_after(policy.timeout_s):
+                    failure = await self._check(client, spec, names)
+                event = shard.health.observe(failure)
+                if failure is not None and event is not ShardEvent.CHECK_FAILED:
+                    log.debug("shard %s: health check failed: %s", spec.shard_id, failure)
+                self._apply(shard, event)
                 self._cut_logs(shard)
-                await trio.sleep(interval)
+                loading = shard.state is ShardState.LOADING
+                poll = min(policy.poll_s, policy.interval_s)
+                await trio.sleep(poll if loading else policy.interval_s)
 
-    async def _healthy(
+    async def _check(
         self, client: httpx.AsyncClient, spec: model.ShardSpec, names: set[str]
-    ) -> bool:
+    ) -> str | None:
+        """One health check: None when it passed, else what went wrong, in a few words."""
         try:
             health = await client.get(spec.health_path)
             if health.status_code != 200:
-                return False
+                return f"{spec.health_path} answered {health.status_code}"
             listed = await client.get(spec.models_path)
             ids = {m.get("id") for m in listed.json().get("data", [])}
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return False
-        return bool(ids & names)
+        except httpx.TimeoutException:
+            return f"timed out after {self.health.timeout_s:g} s"
+        except httpx.ConnectError as exc:
+            text = str(exc)
+            return f"cannot connect to port {spec.port}" + (
+                " (connection refused)" if "refused" in text.lower() else f" ({text})"
+            )
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        except (ValueError, AttributeError):
+            return f"{spec.models_path} did not answer an OpenAI model list"
+        if not ids & names:
+            return f"{spec.models_path} lists none of {sorted(names)}"
+        return None
 
     def _cut_logs(self, shard: Shard) -> None:
         for path in shard.dir.glob("*.log"):
@@ -430,11 +503,14 @@ class Supervisor:
                 pass
 
     async def _fail(self, shard: Shard, reason: str) -> None:
-        if shard.stopping or shard.state == "failed":
+        # Two processes dying together both land here: the first one's reason stands.
+        if shard.stopping or shard.failing or shard.state not in RUNNING:
             return
+        shard.failing = True
         with trio.CancelScope(shield=True):
             await self._terminate(shard, self.grace_s)
-        self._set(shard, "failed", reason)
+        if not shard.stopping:
+            self._apply(shard, ShardEvent.EXITED, reason)
 
     async def _terminate(self, shard: Shard, grace_s: float) -> None:
         """SIGTERM every group, SIGKILL what is left after the grace; nothing stays behind."""
@@ -464,10 +540,13 @@ class Supervisor:
 
     # stop ----------------------------------------------------------------------------
 
+    def _where(self) -> str:
+        return f"node {self.node_id}" if self.node_id else "this node"
+
     async def stop(self, shard_id: str, grace_s: float | None = None) -> model.ShardReport:
         shard = self._shards.get(shard_id)
         if shard is None:
-            raise UsageError(f"no shard {shard_id!r} on this node")
+            raise NotFound(f"no shard {shard_id!r} on {self._where()}")
         shard.stopping = True
         with trio.CancelScope(shield=True):
             await self._terminate(shard, self.grace_s if grace_s is None else grace_s)
@@ -475,22 +554,88 @@ class Supervisor:
                 shard.scope.cancel()
             with trio.move_on_after(10):
                 await shard.done.wait()
-        self._set(shard, "stopped")
-        await self._forget(shard)
+        if shard.state is not ShardState.STOPPED:
+            failed = shard.state is ShardState.FAILED
+            self._apply(shard, ShardEvent.STOP)
+            await self._forget(shard, keep=failed)
         return shard.report()
 
-    async def _forget(self, shard: Shard) -> None:
-        self._shards.pop(shard.spec.shard_id, None)
-        shutil.rmtree(shard.dir, ignore_errors=True)
+    async def _forget(self, shard: Shard, keep: bool | None = None) -> None:
+        """Drop the shard; a failed one's directory goes to failed/ (the newest few stay)."""
+        if self._shards.get(shard.spec.shard_id) is shard:
+            del self._shards[shard.spec.shard_id]
+        if keep is None:
+            keep = shard.state is ShardState.FAILED
+        if keep and shard.dir.exists():
+            self._keep_failed(shard)
+        else:
+            shutil.rmtree(shard.dir, ignore_errors=True)
+
+    # failed shards kept --------------------------------------------------------------
+
+    def _keep_failed(self, shard: Shard) -> None:
+        failed_at = shard.failed_at if shard.failed_at is not None else time.time()
+        dest = self.failed_dir / f"{shard.spec.shard_id}@{int(failed_at * 1000)}"
+        try:
+            self.failed_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(shard.dir, dest)
+        except OSError as exc:
+            log.warning("shard %s: cannot keep its logs (%s)", shard.spec.shard_id, exc)
+            shutil.rmtree(shard.dir, ignore_errors=True)
+            return
+        for old in self._kept()[self.failed_kept :]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _kept(self) -> list[Path]:
+        """Kept failed shards' directories, newest first."""
+        try:
+            entries = [p for p in self.failed_dir.iterdir() if p.is_dir() and "@" in p.name]
+        except OSError:
+            return []
+
+        def when(p: Path) -> int:
+            stamp = p.name.rpartition("@")[2]
+            return int(stamp) if stamp.isdigit() else 0
+
+        return sorted(entries, key=when, reverse=True)
+
+    def _kept_for(self, shard_id: str) -> Path | None:
+        for path in self._kept():
+            if path.name.rpartition("@")[0] == shard_id:
+                return path
+        return None
+
+    # logs ----------------------------------------------------------------------------
 
     def tail(self, shard_id: str, lines: int = TAIL_LINES) -> list[model.LogLine]:
+        """The last lines of each process's output; a failed shard's first line says so."""
         shard = self._shards.get(shard_id)
-        if shard is None:
-            raise UsageError(f"no shard {shard_id!r} on this node")
+        if shard is not None:
+            processes, where = shard.spec.processes, shard.dir
+            failed = (shard.failed_at, shard.reason) if shard.state is ShardState.FAILED else None
+        else:
+            kept = self._kept_for(shard_id)
+            if kept is None:
+                raise NotFound(
+                    f"no shard {shard_id} on {self._where()} "
+                    "(never started here, or its logs were reclaimed)"
+                )
+            processes, where, failed = _read_kept(kept)
         out = []
-        for spec in shard.spec.processes:
+        if failed is not None:
+            failed_at, reason = failed
+            when = (
+                time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(failed_at))
+                if failed_at is not None
+                else "an unknown time"
+            )
+            # The output lines follow below anyway.
+            first = (reason or "no reason recorded").splitlines()[0].removesuffix("; last output:")
+            out.append(model.LogLine("llmgw", f"shard {shard_id} failed at {when}: {first}"))
+        for spec in processes:
             for source in ("stdout", "stderr"):
-                for line in _tail(shard.dir / f"{spec.name}.{source}.log", lines):
+                for line in _tail(where / f"{spec.name}.{source}.log", lines):
                     out.append(model.LogLine(f"{spec.name}/{source}", line))
         return out
 
@@ -506,7 +651,7 @@ class Supervisor:
             described.add(shard.spec.shard_id)
             self._shards[shard.spec.shard_id] = shard
             assert self._nursery is not None
-            if shard.state == "failed":
+            if shard.state is ShardState.FAILED:
                 continue
             self._nursery.start_soon(self._supervise, shard, False)
         # Processes llmgw started for this agent whose shard nobody can describe.
@@ -551,7 +696,23 @@ class Supervisor:
                     _signal_group(record.pid, signal.SIGKILL)
             shutil.rmtree(shard_dir, ignore_errors=True)
             return None
-        shard = Shard(spec=spec, dir=shard_dir, procs=records, adopted=True)
+        shard = Shard(
+            spec=spec,
+            dir=shard_dir,
+            health=HealthRun(self.health.failures),
+            procs=records,
+            adopted=True,
+        )
+        recorded = run.get("state")
+        if recorded == ShardState.FAILED.value:
+            # Failed before the agent went away: its processes were stopped then.
+            shard.state, shard.reason = ShardState.FAILED, run.get("reason")
+            stamp = run.get("failed_at")
+            shard.failed_at = float(stamp) if isinstance(stamp, (int, float)) else None
+            for r in records:
+                if _procfs.check(r.pid, r.start_time, r.argv, self._proc) is _procfs.Liveness.ALIVE:
+                    _signal_group(r.pid, signal.SIGKILL)
+            return shard
         statuses = {r.name: _procfs.check(r.pid, r.start_time, r.argv, self._proc) for r in records}
         dead = [r for r in records if statuses[r.name] is not _procfs.Liveness.ALIVE]
         if not records or dead or len(records) < len(spec.processes):
@@ -567,22 +728,52 @@ class Supervisor:
                     why.append(f"{r.name} (pid {r.pid}) is gone")
             if len(records) < len(spec.processes):
                 why.append("the agent stopped before every process had started")
-            last = [line for r in dead for line in self._last_lines(shard, r.name, 10)]
+            last = [line for r in dead for line in self._last_lines(shard, r.name, LAST_LINES)]
             reason = "; ".join(why) + ("; last output:\n" + "\n".join(last) if last else "")
             for r in records:
                 if statuses[r.name] is _procfs.Liveness.ALIVE:
                     _signal_group(r.pid, signal.SIGKILL)
-            shard.state, shard.reason = "failed", reason
+            shard.state, shard.reason = ShardState.FAILED, reason
+            shard.failed_at = time.time()
             self._save_run(shard)
             log.warning("shard %s: not adopted: %s", spec.shard_id, reason.splitlines()[0])
             return shard
-        shard.state = run.get("state") if run.get("state") in ("loading", "ready") else "loading"
+        # Not ready until a health check says so; the state on disk stays as it
+        # was until then. One that was ready is serving, not loading: its failed
+        # checks count from the first.
+        shard.state = ShardState.LOADING
         shard.reason = None
+        shard.health.counting = recorded in (ShardState.READY.value, ShardState.UNHEALTHY.value)
         log.info(
-            "shard %s: adopted %s (pids %s), %s",
+            "shard %s: adopted %s (pids %s), %s before; health-checking it",
             spec.shard_id,
             spec.engine,
             ",".join(str(r.pid) for r in records),
-            shard.state,
+            recorded or "state unknown",
         )
         return shard
+
+
+def _read_kept(
+    path: Path,
+) -> tuple[tuple[model.ProcessSpec, ...], Path, tuple[float | None, str | None]]:
+    """What a kept failed shard's directory says: its processes, where, and when and why."""
+    try:
+        run = json.loads((path / "run.json").read_text())
+    except (OSError, ValueError):
+        run = {}
+    try:
+        spec = config.structure(
+            json.loads((path / "spec.json").read_text()), model.ShardSpec, str(path / "spec.json")
+        )
+        processes = spec.processes
+    except (OSError, ValueError, LlmgwError):
+        names = sorted({p.name.rsplit(".", 2)[0] for p in path.glob("*.log")})
+        processes = tuple(model.ProcessSpec(name=n, argv=(n,)) for n in names)
+    stamp = run.get("failed_at")
+    failed_at = float(stamp) if isinstance(stamp, (int, float)) else None
+    if failed_at is None:
+        tail = path.name.rpartition("@")[2]
+        failed_at = int(tail) / 1000 if tail.isdigit() else None
+    reason = run.get("reason")
+    return processes, path, (failed_at, reason if isinstance(reason, str) else None)

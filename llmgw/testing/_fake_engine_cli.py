@@ -264,6 +264,7 @@ class Behaviour:
     crash_after: float | None = None
     crash_message: str | None = None
     hang_after_tokens: int | None = None
+    health_hang_after: float | None = None
     fail_rate: float = 0.0
     slots: int | None = None
     log_every: float | None = None
@@ -512,6 +513,7 @@ def read_behaviour(env: Mapping[str, str]) -> Behaviour:
         crash_after=_number(env, "LLMGW_FAKE_CRASH_AFTER", float, 0.0),
         crash_message=env.get("LLMGW_FAKE_CRASH_MESSAGE") or None,
         hang_after_tokens=_number(env, "LLMGW_FAKE_HANG_AFTER_TOKENS", int, 0),
+        health_hang_after=_number(env, "LLMGW_FAKE_HEALTH_HANG_AFTER", float, 0.0),
         fail_rate=fail_rate,
         slots=slots,
         log_every=log_every if log_every else None,

@@ -45,6 +45,11 @@ Endpoints, as the imitated engine has them:
   `llamacpp:requests_deferred` and token counters; no KV gauge.
 - llama-server `GET /slots` (501 with `--no-slots`): one object per slot with
   `id`, `id_task`, `n_ctx` (per slot), `is_processing`, `next_token`.
+- `POST /fake/health` (the fake's own): body `{"hang": true}` makes `/health`
+  hang from then on (it reads the request and never answers, until the
+  client goes away), `{"hang": false}` makes it answer again; answers
+  `{"hang": ...}`. The process keeps listening and serving everything else:
+  a hung engine, not a dead one.
 - `GET /fake/stats` (the fake's own): JSON `ready`, `received`, `completed`,
   `cancelled`, `failed`, `in_flight`, `running`, `waiting`, `prompt_tokens`,
   `generation_tokens`. An inference request ends as exactly one of completed,
@@ -83,6 +88,9 @@ LLMGW_FAKE_CRASH_MESSAGE
 LLMGW_FAKE_HANG_AFTER_TOKENS
     Every generation stops after N tokens and keeps its connection open
     without sending anything, until the client goes away.
+LLMGW_FAKE_HEALTH_HANG_AFTER
+    Seconds after it starts listening at which `/health` starts to hang, as
+    `POST /fake/health {"hang": true}` does (0: from the start).
 LLMGW_FAKE_FAIL_RATE
     Fraction of inference requests answered 500 in the OpenAI error shape,
     spread evenly and deterministically (0.5: every second request; 1: all).
@@ -113,6 +121,7 @@ SIGTERM or SIGINT stops it at once with status 0.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -225,11 +234,13 @@ class FakeEngine:
         self._slots = trio.Semaphore(config.slots)
         self._created = int(time.time())
         self._server = SERVER_HEADER[config.engine]
+        self.health_hangs = behaviour.health_hang_after == 0
         self._routes: dict[str, tuple[bytes, Callable[..., Awaitable[None]]]] = {
             "/health": (b"GET", self._health),
             "/v1/models": (b"GET", self._models),
             "/metrics": (b"GET", self._metrics),
             "/fake/stats": (b"GET", self._stats),
+            "/fake/health": (b"POST", self._fake_health),
             "/v1/chat/completions": (b"POST", self._chat),
             "/v1/completions": (b"POST", self._completions),
             "/v1/embeddings": (b"POST", self._embeddings),
@@ -273,6 +284,8 @@ class FakeEngine:
                 nursery.start_soon(self._load)
                 if self.behaviour.crash_after is not None:
                     nursery.start_soon(self._crash)
+                if self.behaviour.health_hang_after:
+                    nursery.start_soon(self._hang_health_later)
                 if self.behaviour.log_every is not None:
                     nursery.start_soon(self._log_stats)
         finally:
@@ -311,6 +324,11 @@ class FakeEngine:
             _say(f"{_stamp('sglang')} The server is fired up and ready to roll!")
         else:
             _say("main: model loaded")
+
+    async def _hang_health_later(self) -> None:
+        assert self.behaviour.health_hang_after is not None
+        await trio.sleep(self.behaviour.health_hang_after)
+        self.health_hangs = True
 
     async def _crash(self) -> None:
         assert self.behaviour.crash_after is not None
@@ -465,12 +483,31 @@ class FakeEngine:
 
     async def _health(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
         engine = self.config.engine
+        # Hung: the request was read, nothing is ever answered; the task ends
+        # when the client gives up and closes.
+        if self.health_hangs and await self._watching(conn, stream, trio.sleep_forever):
+            raise _Gone()
         if not self.state.ready:
             reply = loading(engine)
         elif engine == "llama-server":
             reply = Reply(200, b'{"status":"ok"}')
         else:
             reply = Reply(200, b"")
+        await self._send(conn, stream, reply)
+
+    async def _fake_health(
+        self, conn: h11.Connection, stream: trio.SocketStream, body: bytes
+    ) -> None:
+        try:
+            hang = json.loads(body or b"{}").get("hang")
+        except (ValueError, AttributeError):
+            hang = None
+        if not isinstance(hang, bool):
+            message = 'the body must be {"hang": true} or {"hang": false}'
+            reply = error(self.config.engine, 400, message)
+        else:
+            self.health_hangs = hang
+            reply = Reply(200, dumps({"hang": hang}))
         await self._send(conn, stream, reply)
 
     async def _models(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:

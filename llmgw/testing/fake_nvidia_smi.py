@@ -30,6 +30,13 @@ LLMGW_FAKE_SMI_MEM_USED_MIB, LLMGW_FAKE_SMI_UTIL
     memory.used (MiB, default 0) and utilization.gpu (%, default 0) of every card.
 LLMGW_FAKE_SMI_APPS
     Processes holding memory: `<gpu index>:<pid>:<MiB>` comma-separated.
+LLMGW_FAKE_SMI_APPS_FILE
+    A recorded `--query-compute-apps` output (CSV with its header, in any
+    column order, units or not) whose rows are answered instead, each field
+    asked for taken from its column. Recordings mask their GPU UUIDs, so each
+    distinct UUID in the file stands for the next fake card in order (the
+    first for card 0); pids are answered as recorded, so a test rewrites a row
+    to carry the pid it wants.
 LLMGW_FAKE_SMI_DRIVER, LLMGW_FAKE_SMI_CUDA
     Versions in the table header (default 550.54.15 and 12.4).
 LLMGW_FAKE_NICS
@@ -183,6 +190,10 @@ def query_apps(fields: list[str], fmt: str) -> int:
     if not found:
         print(NO_DEVICES)
         return 6
+    recorded = os.environ.get("LLMGW_FAKE_SMI_APPS_FILE")
+    if recorded:
+        sys.stdout.write(_csv(fields, _recorded_apps(Path(recorded), fields, found), fmt))
+        return 0
     rows = []
     spec = os.environ.get("LLMGW_FAKE_SMI_APPS", "").strip()
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -193,6 +204,28 @@ def query_apps(fields: list[str], fmt: str) -> int:
         rows.append([values[f] for f in fields])
     sys.stdout.write(_csv(fields, rows, fmt))
     return 0
+
+
+def _recorded_apps(path: Path, fields: list[str], found: list[Card]) -> list[list[str]]:
+    """Rows of a recorded compute-apps CSV, as `fields`, on the fake cards."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    header = [h.strip().split(" [", 1)[0] for h in lines[0].split(",")]
+    aliases = {"used_memory": "used_gpu_memory", "gpu_uuid": "gpu_uuid"}
+    uuids: dict[str, str] = {}
+    rows = []
+    for line in lines[1:]:
+        values = {
+            name: value.strip().split(" ", 1)[0] if name in UNITS else value.strip()
+            for name, value in zip(header, line.split(","), strict=False)
+        }
+        recorded_uuid = values.get("gpu_uuid", "")
+        if recorded_uuid not in uuids:
+            if len(uuids) >= len(found):
+                sys.exit(f"fake nvidia-smi: {path} names more GPUs than LLMGW_FAKE_GPUS has")
+            uuids[recorded_uuid] = found[len(uuids)].uuid
+        values["gpu_uuid"] = uuids[recorded_uuid]
+        rows.append([values.get(f, values.get(aliases.get(f, f), "[N/A]")) for f in fields])
+    return rows
 
 
 def table() -> int:

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import random
+import sys
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import trio
 
-from llmgw import model
+from llmgw import config, model
+from llmgw.agent import discovery
+from llmgw.agent._node import Node
 from llmgw.agent._session import AgentSession, Backoff
 from llmgw.ctl import _cert
-from llmgw.errors import RegistrationRefused
-from llmgw.rpc import STANDBY_PREFIX, AgentHandle, CapnpThread, PeerInfo, _tls
+from llmgw.errors import PeerError, RegistrationRefused
+from llmgw.rpc import AgentHandle, CapnpThread, PeerInfo, _tls
+from llmgw.testing import fake_nvidia_smi
 from llmgw.testing.cluster import free_port
 
 
@@ -34,7 +41,7 @@ class Standby:
     async def register(self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle):
         self.refused += 1
         agent.release()
-        raise RegistrationRefused(f"{STANDBY_PREFIX}{self.leader}")
+        raise RegistrationRefused(f"standby; leader is {self.leader}", leader=self.leader)
 
 
 class Leader:
@@ -88,3 +95,159 @@ async def test_a_standby_refusal_moves_on_to_the_leader_at_once(tmp_path: Path) 
         assert leader.registered == ["n1"]
         assert session.registered_with == f"127.0.0.1:{leader_port}"
         nursery.cancel_scope.cancel()
+
+
+# --- discovery once per agent process ------------------------------------------------
+
+
+def tls_pair(tmp_path: Path, node: str):
+    _cert.init_ca(tmp_path)
+    _cert.issue_server(tmp_path, ["127.0.0.1"])
+    _cert.issue_agent(tmp_path, node)
+    server_tls = _tls.server_context(
+        tmp_path / "ca.crt", tmp_path / "server.crt", tmp_path / "server.key"
+    )
+    client_tls = _tls.client_context(
+        tmp_path / "ca.crt", tmp_path / f"agent-{node}.crt", tmp_path / f"agent-{node}.key"
+    )
+    return server_tls, client_tls
+
+
+class CountingRunner:
+    """The real runner, with a fake nvidia-smi first on PATH; records every command."""
+
+    def __init__(self, bin_dir: Path, block_topo: threading.Event | None = None) -> None:
+        fake_nvidia_smi.install(bin_dir)
+        env = dict(os.environ)
+        env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        env["LLMGW_FAKE_GPUS"] = "2xh100-80g"
+        self._real = discovery.SubprocessRunner(env=env)
+        self._block_topo = block_topo
+        self.commands: list[tuple[str, ...]] = []
+
+    def __call__(self, argv: Sequence[str], timeout: float) -> discovery.RunResult:
+        self.commands.append(tuple(argv))
+        if self._block_topo is not None and tuple(argv[1:]) == ("topo", "-m"):
+            self._block_topo.wait(30)  # a driver call that hangs
+        return self._real(argv, timeout)
+
+    def count(self, *args: str) -> int:
+        return sum(1 for c in self.commands if c[0] == "nvidia-smi" and c[1:] == args)
+
+    def count_prefix(self, prefix: str) -> int:
+        return sum(1 for c in self.commands if len(c) > 1 and c[1].startswith(prefix))
+
+
+def agent_config(tmp_path: Path) -> config.AgentConfig:
+    return config.AgentConfig(
+        node_id="n1",
+        servers=[config.HostPort("127.0.0.1:1")],
+        tls=config.TlsFiles(ca=tmp_path / "ca.crt", cert=tmp_path / "c", key=tmp_path / "k"),
+        state_dir=tmp_path,
+        model_dirs=[tmp_path / "models"],
+        sglang_python=sys.executable,  # `import sglang` fails here: still a probe run
+    )
+
+
+class Dropping:
+    """A control plane that takes every registration and then drops the session."""
+
+    def __init__(self) -> None:
+        self.hellos: list[model.Hello] = []
+
+    async def register(self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle):
+        self.hellos.append(hello)
+        return DroppingSession(), model.Settings(heartbeat_interval_s=0.05, epoch=1)
+
+
+class DroppingSession(Session):
+    async def heartbeat(self, beat: model.Heartbeat) -> None:
+        raise PeerError("this control plane is going away")
+
+
+def session_for(node: Node, port: int, client_tls) -> AgentSession:
+    return AgentSession(
+        node_id="n1",
+        addresses=[("127.0.0.1", port)],
+        tls=client_tls,
+        servant=object(),
+        hello_inventory=node.hello_inventory,
+        heartbeat=node.heartbeat,
+        backoff=Backoff(initial_s=0.01, max_s=0.01),
+        rng=random.Random(0),
+    )
+
+
+async def test_reconnects_register_with_one_discovery_and_a_fresh_usage_sample_each(
+    tmp_path: Path,
+) -> None:
+    server_tls, client_tls = tls_pair(tmp_path, "n1")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "w.safetensors").write_bytes(b"x" * 10)
+    runner = CountingRunner(tmp_path / "bin")
+    node = Node(agent_config(tmp_path), runner=runner, nvml=None)
+    cp = Dropping()
+    async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+        port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, cp)
+        session = session_for(node, port, client_tls)
+        nursery.start_soon(session.run, bridge)
+        with trio.fail_after(60):
+            while len(cp.hellos) < 4:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert session.registrations >= 4
+    # The hardware, the engines and the weights were probed once, for all of them ...
+    assert node.statistics()["hardware_probes"] == 1
+    assert node.statistics()["software_probes"] == 1
+    assert runner.count("topo", "-m") == 1
+    assert runner.count() == 1  # the bare table: driver and CUDA versions
+    assert sum(1 for c in runner.commands if c[1:] == ("-c", "import sglang")) == 1
+    # ... and every registration carried the whole inventory and a usage sample
+    # of its own (one GPU query for discovery, then one per registration).
+    assert runner.count_prefix("--query-gpu=") == 1 + node.statistics()["hellos"]
+    for hello in cp.hellos[:4]:
+        inv = hello.inventory
+        assert inv.gpus is not None
+        assert [g.name for g in inv.gpus] == ["NVIDIA H100 80GB HBM3"] * 2
+        assert inv.topology is not None and inv.topology.nvlinks
+        assert inv.host.driver_version == "550.54.15"
+        assert inv.weights is not None and [f.size_bytes for f in inv.weights.files] == [10]
+        assert inv.engines is not None
+        assert inv.usage.memory_total_bytes is not None
+        assert [g.memory_used_mib for g in inv.usage.gpus] == [0, 0]
+        assert [g.ecc_uncorrected for g in inv.usage.gpus] == [0, 0]
+
+
+async def test_a_discovery_probe_that_hangs_is_a_warning_then_arrives_by_the_next_hello(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "models").mkdir()
+    release = threading.Event()
+    runner = CountingRunner(tmp_path / "bin", block_topo=release)
+    node = Node(agent_config(tmp_path), runner=runner, nvml=None)
+    node.discovery_timeout_s = 0.5
+    try:
+        with trio.fail_after(15):  # the usage sample and the engine probe still run
+            first = await node.hello_inventory()
+        # The hardware probe hangs on `topo -m`: registered without it, unknown not empty.
+        assert first.gpus is None
+        assert first.warnings == (
+            "discovery: the hardware probe (GPUs, topology, RDMA, storage) did not finish "
+            "within 0.5 s (discovery_timeout_s); registered without it, it is sent at the "
+            "next registration once it finishes",
+        )
+        # Its usage sample, taken for this registration, does not need topology.
+        assert len(first.usage.gpus) == 2
+    finally:
+        release.set()
+    with trio.fail_after(15):
+        while node.statistics()["hardware_probes"] == 0:
+            await trio.sleep(0.05)
+    second = await node.hello_inventory()
+    assert second.gpus is not None and len(second.gpus) == 2
+    assert second.topology is not None
+    assert second.warnings == ()
+    assert node.statistics()["hardware_probes"] == 1
+    # The heartbeat tells the control plane the warning is gone.
+    beat = await node.heartbeat(1)
+    assert beat.warnings is None  # already sent with the second hello

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
+import pytest
 import trio
 from conftest import alive
 
 from llmgw import model
 from llmgw.agent import _procfs
-from llmgw.agent._supervisor import Supervisor
+from llmgw.agent._supervisor import HealthPolicy, Supervisor
+from llmgw.errors import NotFound
 from llmgw.testing.cluster import free_port
 
 PY = sys.executable
@@ -99,7 +104,10 @@ async def test_sidecar_that_never_opens_its_port_fails_the_shard_and_is_killed(
             )
         )
         failed = await wait_state(sup, "s2", "failed")
-        assert failed.reason == f"ray-head did not open 127.0.0.1:{port} within 1 s"
+        # The reason carries what the process said last: here, its one line.
+        assert failed.reason == (
+            f"ray-head did not open 127.0.0.1:{port} within 1 s; last output:\n[stdout] up"
+        )
         assert len(failed.pids) == 1 and not alive(failed.pids[0])
         nursery.cancel_scope.cancel()
 
@@ -140,7 +148,10 @@ async def test_restarted_supervisor_adopts_live_engines_without_restarting_them(
         second = Supervisor(tmp_path, grace_s=1)
         await nursery.start(second.run)
         (adopted,) = second.reports()
-        assert (adopted.shard_id, adopted.state, adopted.pids) == ("s4", "ready", ready.pids)
+        # Recorded ready, but not reported so until checked again.
+        assert (adopted.shard_id, adopted.state, adopted.pids) == ("s4", "loading", ready.pids)
+        again = await wait_state(second, "s4", "ready")
+        assert again.pids == ready.pids
         # Adopted, it is still watched: killed behind the back, it is reported failed.
         os.kill(ready.pids[0], signal.SIGKILL)
         failed = await wait_state(second, "s4", "failed", timeout=10)
@@ -238,3 +249,151 @@ async def test_marked_process_whose_shard_is_unknown_is_killed_but_another_agent
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# --- readiness is watched ---------------------------------------------------------------
+
+FAST = HealthPolicy(interval_s=0.2, poll_s=0.1, timeout_s=0.5, failures=3)
+
+
+def fake_engine(shard_id: str, port: int, **env: str) -> model.ShardSpec:
+    """A vLLM-like engine, the real fake one, as its own process."""
+    argv = (PY, "-m", "llmgw.testing.fake_engine", "serve", "m", "--port", str(port))
+    variables = (
+        model.EnvVar("LLMGW_FAKE_ENGINE", "vllm"),
+        *(model.EnvVar(k, v) for k, v in env.items()),
+    )
+    return model.ShardSpec(
+        shard_id=shard_id,
+        model="m",
+        engine="vllm",
+        processes=(model.ProcessSpec(name="engine", argv=argv, env=variables),),
+        port=port,
+    )
+
+
+async def test_engine_that_stops_answering_health_becomes_unhealthy_and_recovers(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    seen: list[model.ShardReport] = []
+    sup = Supervisor(tmp_path, on_change=seen.append, grace_s=2, health=FAST)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await sup.start(fake_engine("h1", port))
+        ready = await wait_state(sup, "h1", "ready")
+        # Hung, not dead: it still accepts TCP and reads the request, and never answers.
+        async with httpx.AsyncClient() as client:
+            hung = await client.post(f"http://127.0.0.1:{port}/fake/health", json={"hang": True})
+            assert hung.json() == {"hang": True}
+            unhealthy = await wait_state(sup, "h1", "unhealthy")
+            assert unhealthy.reason == (
+                "/health failed 3 times in a row: timed out after 0.5 s; "
+                "timed out after 0.5 s; timed out after 0.5 s"
+            )
+            assert unhealthy.pids == ready.pids and alive(ready.pids[0])
+            # Still unhealthy while the checks keep failing, and reported once.
+            await trio.sleep(1.0)
+            assert sup.reports()[0].state == "unhealthy"
+            assert [r.state for r in seen].count("unhealthy") == 1
+            await client.post(f"http://127.0.0.1:{port}/fake/health", json={"hang": False})
+            back = await wait_state(sup, "h1", "ready")
+        assert back.reason is None and back.pids == ready.pids
+        states = [r.state for r in seen]
+        assert states == ["starting", "loading", "ready", "unhealthy", "ready"]
+        await sup.stop("h1")
+        nursery.cancel_scope.cancel()
+
+
+async def test_adopted_engine_is_checked_before_ready_and_a_hung_one_is_unhealthy(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        first = Supervisor(tmp_path, health=FAST)
+        scope = trio.CancelScope()
+
+        async def run_first(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                await first.run(task_status=task_status)
+
+        await nursery.start(run_first)
+        # /health hangs 2 s after it listens: ready first, hung by the time the
+        # next agent adopts it.
+        await first.start(fake_engine("h2", port, LLMGW_FAKE_HEALTH_HANG_AFTER="2"))
+        ready = await wait_state(first, "h2", "ready")
+        scope.cancel()  # the agent goes away, the engine stays
+        async with httpx.AsyncClient() as client:
+            with trio.fail_after(10):
+                while True:
+                    try:
+                        await client.get(f"http://127.0.0.1:{port}/health", timeout=0.3)
+                    except httpx.TimeoutException:
+                        break
+                    await trio.sleep(0.1)
+
+        second = Supervisor(tmp_path, grace_s=2, health=FAST)
+        await nursery.start(second.run)
+        (adopted,) = second.reports()
+        assert (adopted.state, adopted.pids) == ("loading", ready.pids)
+        # It was ready before: its failed checks count from the first.
+        unhealthy = await wait_state(second, "h2", "unhealthy")
+        assert unhealthy.reason is not None
+        assert unhealthy.reason.startswith("/health failed 3 times in a row: timed out after 0.5 s")
+        await second.stop("h2")
+        assert not alive(ready.pids[0])
+        nursery.cancel_scope.cancel()
+
+
+# --- failed shards keep their logs -------------------------------------------------------
+
+
+async def test_failed_shard_logs_outlive_its_stop_and_a_gone_one_says_so(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path, grace_s=1, failed_kept=2, node_id="n7")
+    code = (
+        "import sys, time; print('loading weights', flush=True); "
+        "print('CUDA error: an illegal memory access', file=sys.stderr, flush=True); time.sleep(3600)"
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        before = time.time()
+        await sup.start(spec("f1", proc("engine", code)))
+        ready = await wait_state(sup, "f1", "ready")
+        os.kill(ready.pids[0], signal.SIGKILL)
+        failed = await wait_state(sup, "f1", "failed")
+        assert failed.reason is not None and "CUDA error" in failed.reason
+        # The control plane clears the failed shard away: its logs stay.
+        stopped = await sup.stop("f1")
+        assert stopped.state == "stopped"
+        assert not (tmp_path / "shards" / "f1").exists()
+        (kept,) = (tmp_path / "failed").iterdir()
+        assert kept.name.startswith("f1@")
+        lines = sup.tail("f1")
+        first = lines[0]
+        assert first.source == "llmgw"
+        assert first.text.startswith("shard f1 failed at ")
+        assert first.text.endswith(f": engine (pid {ready.pids[0]}) was killed by SIGKILL")
+        stamp = first.text.removeprefix("shard f1 failed at ").split(" UTC")[0]
+        when = calendar.timegm(time.strptime(stamp, "%Y-%m-%d %H:%M:%S"))
+        assert before - 1 <= when <= time.time() + 1
+        assert model.LogLine("engine/stdout", "loading weights") in lines
+        assert model.LogLine("engine/stderr", "CUDA error: an illegal memory access") in lines
+
+        with pytest.raises(NotFound) as gone:
+            sup.tail("never-here")
+        assert str(gone.value) == (
+            "no shard never-here on node n7 (never started here, or its logs were reclaimed)"
+        )
+
+        # Only the newest `failed_kept` stay.
+        for shard_id in ("f2", "f3"):
+            await sup.start(spec(shard_id, proc("engine", "import sys; sys.exit(3)")))
+            await wait_state(sup, shard_id, "failed")
+            await sup.stop(shard_id)
+        kept_now = sorted(p.name.split("@")[0] for p in (tmp_path / "failed").iterdir())
+        assert kept_now == ["f2", "f3"]
+        assert sup.statistics()["failed_kept"] == 2
+        with pytest.raises(NotFound):
+            sup.tail("f1")
+        assert sup.tail("f3")[0].text.endswith("exited with code 3")
+        nursery.cancel_scope.cancel()

@@ -251,6 +251,7 @@ def test_command_lines_are_read_and_unknown_flags_ignored() -> None:
         ("LLMGW_FAKE_TOKENS", "many", "it must be a whole number"),
         ("LLMGW_FAKE_TOKEN_DELAY", "-1", "it must be at least 0.0"),
         ("LLMGW_FAKE_FAIL_RATE", "1.5", "it must be between 0 and 1"),
+        ("LLMGW_FAKE_HEALTH_HANG_AFTER", "-2", "it must be at least 0.0"),
     ],
 )
 def test_bad_switches_exit_2_naming_the_variable(
@@ -316,6 +317,35 @@ async def test_loading_then_ready() -> None:
         stats = await e.stats()
         assert (stats["received"], stats["completed"], stats["failed"]) == (2, 1, 1)
         await e.read_stdout_until(re.compile(rb"Application startup complete"))
+
+
+async def test_health_hangs_on_request_while_everything_else_answers() -> None:
+    async with engine("serve", "m") as e:
+        assert (await e.get("/health")).status_code == 200
+        assert (await e.post("/fake/health", {"hang": True})).json() == {"hang": True}
+        with pytest.raises(httpx.ReadTimeout):
+            await e.client.get(e.url + "/health", timeout=0.5)
+        # Hung, not dead: the rest of it still serves.
+        assert (await e.get("/v1/models")).json()["data"][0]["id"] == "m"
+        assert (await e.post("/v1/completions", {"model": "m", "prompt": "hi"})).status_code == 200
+        bad = await e.post("/fake/health", {"hang": "yes"})
+        assert bad.status_code == 400 and "hang" in bad.json()["error"]["message"]
+        assert (await e.post("/fake/health", {"hang": False})).json() == {"hang": False}
+        assert (await e.get("/health")).status_code == 200
+
+
+async def test_health_hang_after_starts_hanging_on_its_own() -> None:
+    async with engine("serve", "m", env={"LLMGW_FAKE_HEALTH_HANG_AFTER": "0.5"}) as e:
+        started = trio.current_time()
+        assert (await e.get("/health")).status_code == 200
+        with trio.fail_after(10):
+            while True:
+                try:
+                    await e.client.get(e.url + "/health", timeout=0.3)
+                except httpx.ReadTimeout:
+                    break
+                await trio.sleep(0.05)
+        assert trio.current_time() - started >= 0.5
 
 
 async def test_chat_and_completions_non_streaming_and_errors() -> None:

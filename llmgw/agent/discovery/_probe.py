@@ -122,7 +122,11 @@ def probe_gpus(
     Topology comes from `nvidia-smi topo -m` after either path; NVLink pairs
     NVML reported win over the matrix for those pairs. `nvml=None` skips NVML.
     `topology=False` (per heartbeat) skips the matrix and the driver versions.
+
+    `llmgw_pids` are the engines llmgw runs; every process in their trees
+    (workers, their children) is llmgw's too, so its memory is not foreign.
     """
+    llmgw_pids = process_tree(llmgw_pids)
     warnings: list[str] = []
     nvml_reason: str | None = None
     probe: GpuProbe | None = None
@@ -556,6 +560,7 @@ def _gpu_usage(gpus: tuple[Gpu, ...] | None) -> tuple[GpuUsage, ...]:
             memory_used_mib=g.memory_used_mib,
             utilization_pct=g.utilization_pct,
             foreign_memory_mib=g.foreign_memory_mib,
+            ecc_uncorrected=g.ecc_uncorrected,
         )
         for g in gpus or ()
     )
@@ -658,6 +663,16 @@ class UsageSampler:
         return tuple(result)
 
 
+def process_tree(pids: Iterable[int]) -> frozenset[int]:
+    """`pids` and every live descendant of theirs (children, grandchildren, ...).
+
+    A pid that is gone stays in the set: it names nothing else until reused,
+    and the caller's record of it is what it is.
+    """
+    pids = list(pids)
+    return frozenset(pids) | {p.pid for p in _process_group(pids)}
+
+
 def _process_group(pids: Iterable[int]) -> list[psutil.Process]:
     """The given processes and all their descendants, once each."""
     found: dict[int, psutil.Process] = {}
@@ -715,6 +730,8 @@ def collect_inventory(
     search_path: str | None = None,
     hostname: str | None = None,
     storage_dirs: Sequence[str | Path] = (),
+    with_weights: bool = True,
+    with_engines: bool = True,
 ) -> Inventory:
     """Everything the control plane needs to know about this node.
 
@@ -723,6 +740,8 @@ def collect_inventory(
     nvidia-smi only. `search_path` is the PATH engines are looked up on
     (default: this process's). `storage_dirs` are reported by filesystem
     beside the model directories, but not scanned for weights.
+    `with_weights=False`, `with_engines=False` leave those unknown (None): the
+    agent probes them on their own, since they may take minutes.
     """
     run: Runner = runner if runner is not None else SubprocessRunner()
     warnings: list[str] = []
@@ -758,12 +777,18 @@ def collect_inventory(
         lambda: probe_filesystems([*dirs, *storage_dirs], read_mounts(root)),
         no_filesystems,
     )
-    weights = _guarded("weights", warnings, lambda: scan_weights(dirs), None)
-    engines = _guarded(
-        "engines",
-        warnings,
-        lambda: probe_engines(run, sglang_python=sglang_python, search_path=search_path),
-        None,
+    weights = (
+        _guarded("weights", warnings, lambda: scan_weights(dirs), None) if with_weights else None
+    )
+    engines = (
+        _guarded(
+            "engines",
+            warnings,
+            lambda: probe_engines(run, sglang_python=sglang_python, search_path=search_path),
+            None,
+        )
+        if with_engines
+        else None
     )
     load = read_loadavg(root)
     usage = Usage(
