@@ -7,6 +7,7 @@ reports every problem with its path, one line each:
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 import typing
@@ -40,6 +41,81 @@ def split_host_port(value: str) -> tuple[str, int]:
     return (m["v6"] or m["host"]), int(m["port"])
 
 
+class BoundError(ValueError):
+    """A value outside its key's bounds; `key` is the attribute, the path is added around it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+def _num(value: float) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value)
+
+
+@attrs.frozen
+class Between:
+    """An attrs validator for a number's bounds; None (unknown, or "never") always passes.
+
+    `attrs.field(default=5.0, validator=between(0, 300, exclusive_low=True))`
+    refuses -1 with "heartbeat_interval_s: must be > 0 and ≤ 300 (got -1)".
+    """
+
+    low: float | None = None
+    high: float | None = None
+    exclusive_low: bool = False
+
+    def describe(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.exclusive_low else '≥'} {_num(self.low)}")
+        if self.high is not None:
+            parts.append(f"≤ {_num(self.high)}")
+        return "must be " + " and ".join(parts)
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is out of bounds, or None when it is in (or not a number at all)."""
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        ok = math.isfinite(value)
+        if ok and self.low is not None:
+            ok = value > self.low if self.exclusive_low else value >= self.low
+        if ok and self.high is not None:
+            ok = value <= self.high
+        return None if ok else f"{self.describe()} (got {_num(value)})"
+
+    def __call__(self, _: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        problem = self.problem(value)
+        if problem is not None:
+            raise BoundError(attribute.name, problem)
+
+
+def between(
+    low: float | None = None, high: float | None = None, *, exclusive_low: bool = False
+) -> Between:
+    """Bounds for a config number: `between(0, 300, exclusive_low=True)` is 0 < x ≤ 300."""
+    if low is None and high is None:
+        raise ValueError("between() needs a low or a high bound")
+    return Between(low, high, exclusive_low)
+
+
+def positive(high: float | None = None) -> Between:
+    """An interval or timeout: more than 0, and at most `high` when given."""
+    return Between(0, high, exclusive_low=True)
+
+
+def _bounds(validator: Any) -> list[Between]:
+    if isinstance(validator, Between):
+        return [validator]
+    inner = getattr(validator, "_validators", None)  # attrs.validators.and_
+    if inner is not None:
+        return [b for v in inner for b in _bounds(v)]
+    return []
+
+
 @attrs.define(kw_only=True, frozen=True)
 class TlsFiles:
     ca: Path
@@ -62,16 +138,34 @@ class AgentConfig:
     servers: list[HostPort] = attrs.field(factory=list)
     tls: TlsFiles
     state_dir: Path = Path("/var/lib/llmgw-agent")
-    reconnect_initial_s: float = 0.5
-    reconnect_max_s: float = 5.0
+    reconnect_initial_s: float = attrs.field(default=0.5, validator=positive(60))
+    reconnect_max_s: float = attrs.field(default=5.0, validator=positive(3600))
     model_dirs: list[Path] = attrs.field(factory=list)
     fetch_dir: Path | None = None
     fabrics: dict[str, FabricDecl] = attrs.field(factory=dict)
     sglang_python: str | None = None
     engine_paths: dict[str, str] = attrs.field(factory=dict)  # "vllm" -> /opt/vllm/bin/vllm
     labels: dict[str, str] = attrs.field(factory=dict)  # matched by profiles' node_selector
-    stop_grace_s: float = 30.0
-    sample_interval_s: float = 5.0
+    stop_grace_s: float = attrs.field(default=30.0, validator=positive(3600))
+    # Each sample reads /proc, the GPUs and the filesystems: not a busy loop.
+    sample_interval_s: float = attrs.field(default=5.0, validator=between(0.1, 3600))
+    # A ready shard is health-checked every health_interval_s, each check bounded
+    # by health_timeout_s; health_failures in a row make it unhealthy.
+    health_interval_s: float = attrs.field(default=5.0, validator=between(0.1, 3600))
+    health_timeout_s: float = attrs.field(default=5.0, validator=positive(300))
+    health_failures: int = attrs.field(default=3, validator=between(1, 1000))
+    # Failed shards whose logs stay under state_dir/failed/.
+    failed_shards_kept: int = attrs.field(default=5, validator=between(0, 1000))
+    # The start-up inventory; a probe past it is a warning.
+    discovery_timeout_s: float = attrs.field(default=60.0, validator=positive(3600))
+
+    def __attrs_post_init__(self) -> None:
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise BoundError(
+                "reconnect_max_s",
+                f"must be ≥ reconnect_initial_s ({_num(self.reconnect_initial_s)}) "
+                f"(got {_num(self.reconnect_max_s)})",
+            )
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
@@ -89,12 +183,26 @@ class ServerConfig:
     router_listen: HostPort | None = HostPort("0.0.0.0:8080")  # null: no router here
     router: dict[str, Any] = attrs.field(factory=dict)  # llmgw.router.RouterConfig's fields
     tls: TlsFiles
-    heartbeat_interval_s: float = 5.0
-    missed_heartbeats: int = 3
-    lost_after_s: float = 60.0
-    reconcile_interval_s: float = 2.0
-    reconcile_settle_s: float = 10.0  # after a start, wait for agents before acting
-    stop_grace_s: float = 30.0
+    heartbeat_interval_s: float = attrs.field(default=5.0, validator=positive(300))
+    missed_heartbeats: int = attrs.field(default=3, validator=between(1, 1000))
+    lost_after_s: float = attrs.field(default=60.0, validator=positive(7 * 86400))
+    # Each pass plans the whole fleet: more often than 10 times a second is a busy loop.
+    reconcile_interval_s: float = attrs.field(default=2.0, validator=between(0.1, 300))
+    # After a start, wait for agents before acting.
+    reconcile_settle_s: float = attrs.field(default=10.0, validator=between(0, 3600))
+    stop_grace_s: float = attrs.field(default=30.0, validator=positive(3600))
+    # A replica with a rank unhealthy (its /health failing) this long is replaced.
+    unhealthy_replace_s: float = attrs.field(default=30.0, validator=positive(86400))
+    # A draining node's replica, once replaced, waits this long for its in-flight requests.
+    drain_timeout_s: float = attrs.field(default=300.0, validator=positive(86400))
+    # A node lost this long is forgotten; null: never.
+    forget_after_s: float | None = attrs.field(default=86400.0, validator=positive())
+    # Every control plane -> agent call's deadline (engineCheck 90 s, inventory 30 s,
+    # stopShard its grace plus this); past it the call is cancelled (llmgw.rpc.Deadlines).
+    rpc_deadline_s: float = attrs.field(default=10.0, validator=positive(3600))
+    # The agents' listener: accept to finished TLS handshake, and how many at once.
+    rpc_handshake_timeout_s: float = attrs.field(default=5.0, validator=positive(300))
+    rpc_max_pending_handshakes: int = attrs.field(default=256, validator=between(1, 65536))
     models: list[dict[str, Any]] = attrs.field(factory=list)  # the catalog: llmgw.cp._catalog
 
 
@@ -171,9 +279,39 @@ def _make_converter() -> cattrs.Converter:
     )
     conv.register_structure_hook_factory(
         attrs.has,
-        shaped(dict, "a mapping", lambda t, c: cattrs.gen.make_dict_structure_fn(t, c)),
+        shaped(dict, "a mapping", _bounded_structure_fn),
     )
     return conv
+
+
+def _bounded_structure_fn(cls: Any, conv: cattrs.Converter) -> Any:
+    """cattrs' hook for an attrs class, reporting every key out of bounds, not only the first.
+
+    attrs runs validators one after the other and stops at the first that
+    raises; a file with three bad intervals deserves three lines at once.
+    """
+    inner = cattrs.gen.make_dict_structure_fn(cls, conv)
+    checks = [(a.name, b) for a in attrs.fields(cls) for b in _bounds(a.validator)]
+
+    def hook(value: Any, tp: Any) -> Any:
+        try:
+            return inner(value, tp)
+        except Exception as exc:
+            found = [
+                BoundError(name, problem)
+                for name, bound in checks
+                if name in value and (problem := bound.problem(value[name])) is not None
+            ]
+            if not found:
+                raise
+            keys = {e.key for e in found}
+            subs = list(exc.exceptions) if isinstance(exc, ClassValidationError) else [exc]
+            others = [e for e in subs if not (isinstance(e, BoundError) and e.key in keys)]
+            raise ClassValidationError(
+                f"While structuring {cls.__name__}", [*others, *found], cls
+            ) from None
+
+    return hook
 
 
 _converter = _make_converter()
@@ -196,6 +334,8 @@ def _problems(exc: BaseException, path: str) -> Iterator[str]:
     elif isinstance(exc, ForbiddenExtraKeysError):
         for key in sorted(exc.extra_fields):
             yield f"{path + '.' if path else ''}{key}: unknown key"
+    elif isinstance(exc, BoundError):
+        yield f"{path + '.' if path else ''}{exc.key}: {exc.message}"
     elif isinstance(exc, KeyError):
         yield f"{where}: required, but missing"
     elif isinstance(exc, (TypeError, ValueError)):
@@ -207,16 +347,21 @@ def _problems(exc: BaseException, path: str) -> Iterator[str]:
         yield f"{where}: {type(exc).__name__}: {exc}"
 
 
-def structure(data: Any, cls: type[T], source: str) -> T:
-    """Turn parsed YAML into `cls`, or raise ConfigError listing every problem."""
+def structure(data: Any, cls: type[T], source: str, at: str = "") -> T:
+    """Turn parsed YAML into `cls`, or raise ConfigError listing every problem.
+
+    `at` is where `data` sits in the file (`router` for server.yaml's router
+    section), so that each line names the whole key path: `router.retries`.
+    """
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping at the top level, got {_describe(data)}")
+        where = f"{at}: expected a mapping" if at else "expected a mapping at the top level"
+        raise ConfigError(f"{source}: {where}, got {_describe(data)}")
     try:
         return _converter.structure(data, cls)
     except Exception as exc:
-        lines = [f"{source}: {p}" for p in _problems(exc, "")]
+        lines = [f"{source}: {p}" for p in _problems(exc, at)]
         raise ConfigError("\n".join(lines) or f"{source}: {exc}") from None
 
 
@@ -234,6 +379,28 @@ def load(path: Path, cls: type[T]) -> T:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}:{where}: not valid YAML: {problem}") from None
     return structure(data, cls, str(path))
+
+
+def check_tls_files(tls: TlsFiles, source: str | Path, key: str = "tls") -> None:
+    """Each TLS file exists and can be read, or a ConfigError naming its key.
+
+    `server.yaml: tls.cert: no such file: /etc/llmgw/pki/server.crt`. What is
+    inside (PEM, key matching certificate) is the RPC layer's check, after this.
+    """
+    problems = []
+    for name in ("ca", "cert", "key"):
+        path: Path = getattr(tls, name)
+        try:
+            with path.open("rb") as f:
+                f.read(1)
+        except FileNotFoundError:
+            problems.append(f"{source}: {key}.{name}: no such file: {path}")
+        except IsADirectoryError:
+            problems.append(f"{source}: {key}.{name}: a directory, not a file: {path}")
+        except OSError as exc:
+            problems.append(f"{source}: {key}.{name}: cannot read {path}: {exc.strerror or exc}")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def unstructure(value: Any) -> Any:
