@@ -2,6 +2,7 @@
 
 from llmgw.core._admission import Admission, AdmissionConfig, Admit, Band, Queued, Reject
 from llmgw.core._breaker import Breaker, BreakerConfig, BreakerState
+from llmgw.core._drain import DrainDecision, DrainingReplica, DrainInput, drain_model
 from llmgw.core._liveness import (
     ConnectionLost,
     Event,
@@ -47,6 +48,9 @@ __all__ = [
     "BreakerState",
     "ConnectionLost",
     "DesiredModel",
+    "DrainDecision",
+    "DrainInput",
+    "DrainingReplica",
     "EndpointLoad",
     "Event",
     "GpuFacts",
@@ -71,6 +75,7 @@ __all__ = [
     "Stop",
     "Tick",
     "choose",
+    "drain_model",
     "place",
     "reconcile",
     "registered",

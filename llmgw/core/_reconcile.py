@@ -10,21 +10,39 @@ Rules, in order:
 - a shard without a replica id was started by hand: left alone;
 - a replica whose model left the catalog: stopped;
 - a replica with a failed rank, a rank on a lost node, a rank missing after
-  `rank_grace_s`, or not ready within its profile's startup timeout (counted
-  from when it was first seen; progress does not reset it): stopped and
-  replaced;
-- a replica with a rank on an unreachable node: left alone, and counted;
+  `rank_grace_s`, a rank unhealthy for longer than `unhealthy_replace_s`
+  (counted from `unhealthy_since`, which the shell keeps), or not ready within
+  its profile's startup timeout (counted from when it was first seen; progress
+  does not reset it): stopped and replaced;
+- a replica with a rank on an unreachable node, or a rank unhealthy for less
+  than `unhealthy_replace_s`: left alone, and counted;
 - more replicas than wanted: the least advanced, then the newest, stopped;
-- fewer: a Start per missing replica;
-- more than half the fleet unreachable or lost at once: nothing is
-  rescheduled (the control plane is the one cut off), and the plan says so.
+- fewer: a Start per missing replica (`pending` starts count as present);
+- the guard: while more than half the fleet is away (unreachable, lost, or
+  expected but not registered yet), nothing is rescheduled (this control
+  plane is probably the one cut off), and the plan says so;
+- the guard's hysteresis: once the guard has held (`guard_held_at`: the last
+  time a plan said `cut_off`), it goes on holding until the nodes coming back
+  have had `settle_s` to report: until `settle_s` has passed since the guard
+  last held and since the last node became ready after that (`ready_since`),
+  or at once when no node is away any more; never longer than `settle_max_s`
+  after the guard last held. Nodes still away then are the normal case:
+  unreachable ones are left alone, lost ones replaced. So a fleet that comes
+  back one node at a time, each within `settle_s` of the one before, has
+  nothing started for it (tests/core/test_reconcile.py proves it);
+- a live replica with a rank on a draining node: not counted as one of its
+  model's replicas (so it is replaced), and kept or stopped by the drain rule
+  (llmgw/core/_drain.py: kept until its replacement is ready, then taken out
+  of the router, then stopped once nothing is in flight or the timeout passed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
+
+from llmgw.core._drain import DrainingReplica, DrainInput, drain_model
 
 
 @attrs.frozen
@@ -40,7 +58,7 @@ class ObservedShard:
     node_id: str
     node_state: str  # ready, unreachable, lost
     shard_id: str
-    state: str  # starting, loading, ready, failed, stopped
+    state: str  # starting, loading, ready, unhealthy, failed, stopped
     replica_id: str | None
     model_name: str | None
     rank: int
@@ -65,7 +83,9 @@ class Stop:
 class ReplicaView:
     replica_id: str
     model_name: str
-    state: str  # ready, starting, unreachable, failed, timed-out, lost, incomplete, removed, extra
+    # ready, starting, unreachable, unhealthy, failed, timed-out, lost, incomplete, removed,
+    # extra; the shell adds "failed" for a start that never reached its agent.
+    state: str
     nodes: tuple[str, ...]
     first_seen: float
     stale: bool
@@ -77,9 +97,30 @@ class Plan:
     actions: tuple[Start | Stop, ...]
     replicas: tuple[ReplicaView, ...]
     notes: tuple[str, ...] = ()
+    cut_off: bool = False  # more than half the fleet away now: the shell records when
+    holding: bool = False  # the guard holds (cut off, or its hysteresis): nothing rescheduled
 
 
-ALIVE = ("ready", "starting", "unreachable")
+ALIVE = ("ready", "starting", "unreachable", "unhealthy")
+SETTLE_MAX_FACTOR = 6.0  # the hysteresis never holds longer than this many settle times
+
+
+def guard_release_at(
+    held_at: float,
+    ready_since: Mapping[str, float],
+    settle_s: float,
+    settle_max_s: float | None = None,
+) -> float:
+    """When a guard that last held at `held_at` lets go, if no node is away.
+
+    `settle_s` after the last of: the guard's last hold, and every node's
+    return (`ready_since`) since then; at most `settle_max_s` (default
+    `SETTLE_MAX_FACTOR` times `settle_s`) after the hold, so a fleet whose
+    nodes keep flapping is not held for ever.
+    """
+    cap = settle_max_s if settle_max_s is not None else SETTLE_MAX_FACTOR * settle_s
+    last = max([held_at, *(t for t in ready_since.values() if t >= held_at)])
+    return min(last + settle_s, held_at + cap)
 
 
 def _replica_state(
@@ -88,6 +129,8 @@ def _replica_state(
     first_seen: float,
     now: float,
     rank_grace_s: float,
+    unhealthy_since: Mapping[str, float],
+    unhealthy_replace_s: float,
 ) -> tuple[str, str | None]:
     if desired is None:
         return "removed", "its model left the catalog"
@@ -103,6 +146,15 @@ def _replica_state(
         return "incomplete", f"only ranks {present} of {ranks} are running"
     if any(s.node_state == "unreachable" for s in shards):
         return "unreachable", "a node of it is unreachable; left alone until it is lost"
+    sick = [s for s in shards if s.state == "unhealthy"]
+    if sick:
+        s = sick[0]
+        since = min(unhealthy_since.get(x.shard_id, now) for x in sick)
+        what = f"rank {s.rank} on {s.node_id} is unhealthy: {s.reason or 'no reason given'}"
+        if now - since > unhealthy_replace_s:
+            limit = f"{unhealthy_replace_s:g} s"
+            return "failed", f"{what}; for {now - since:.0f} s, longer than {limit}"
+        return "unhealthy", f"{what}; replaced if it lasts {unhealthy_replace_s:g} s"
     if all(s.state == "ready" for s in shards) and len(shards) >= ranks:
         return "ready", None
     fingerprint = shards[0].fingerprint
@@ -121,13 +173,27 @@ def reconcile(
     *,
     pending: Mapping[str, int] | None = None,
     rank_grace_s: float = 60.0,
+    drain: DrainInput | None = None,
+    unhealthy_since: Mapping[str, float] | None = None,
+    unhealthy_replace_s: float = 30.0,
+    guard_held_at: float | None = None,
+    ready_since: Mapping[str, float] | None = None,
+    settle_s: float = 10.0,
+    settle_max_s: float | None = None,
 ) -> Plan:
     """The actions that bring `shards` toward `desired`.
 
+    `node_states`: node -> ready, unreachable, lost, or anything else for a
+    node that is expected but has not registered (all but ready count as away).
     `first_seen`: replica id -> when the control plane first saw or started it.
     `pending`: model -> replicas started but not yet reported by their agent.
+    `drain`: draining nodes and what the drain rule needs (llmgw/core/_drain.py).
+    `unhealthy_since`: shard id -> when it was first seen unhealthy.
+    `guard_held_at`, `ready_since` (node -> when it last became ready),
+    `settle_s`, `settle_max_s`: the guard's hysteresis, in the module's rules.
     """
     pending = pending or {}
+    unhealthy_since = unhealthy_since or {}
     wanted = {d.name: d for d in desired}
     by_replica: dict[str, list[ObservedShard]] = {}
     for s in shards:
@@ -137,15 +203,26 @@ def reconcile(
     away = sum(1 for state in node_states.values() if state != "ready")
     cut_off = bool(node_states) and away * 2 > len(node_states)
     notes: list[str] = []
+    holding = cut_off
     if cut_off:
         notes.append(
-            f"{away} of {len(node_states)} nodes are unreachable or lost: this control plane "
-            "is probably the one cut off, so nothing is rescheduled"
+            f"{away} of {len(node_states)} nodes are unreachable, lost or not yet registered: "
+            "this control plane is probably the one cut off, so nothing is rescheduled"
         )
+    elif guard_held_at is not None and away:
+        release = guard_release_at(guard_held_at, ready_since or {}, settle_s, settle_max_s)
+        if now < release:
+            holding = True
+            notes.append(
+                f"{away} of {len(node_states)} nodes are still away after most of the fleet "
+                f"was: nothing is rescheduled for {release - now:.0f} s more, while nodes "
+                "coming back report what they run"
+            )
 
     actions: list[Start | Stop] = []
     views: list[ReplicaView] = []
     alive: dict[str, list[tuple[str, ReplicaView]]] = {}
+    draining: dict[str, list[ReplicaView]] = {}  # model -> its live replicas on draining nodes
 
     def stop_all(members: Sequence[ObservedShard], why: str) -> None:
         for s in members:
@@ -157,22 +234,26 @@ def reconcile(
         model_name = members[0].model_name or "?"
         d = wanted.get(model_name)
         seen = first_seen.get(replica_id, now)
-        state, reason = _replica_state(members, d, seen, now, rank_grace_s)
+        state, reason = _replica_state(
+            members, d, seen, now, rank_grace_s, unhealthy_since, unhealthy_replace_s
+        )
         stale = d is not None and any(
             s.fingerprint is not None and s.fingerprint not in d.fingerprints for s in members
         )
         view = ReplicaView(
             replica_id, model_name, state, tuple(s.node_id for s in members), seen, stale, reason
         )
-        if state in ALIVE:
+        if state in ALIVE and drain is not None and set(view.nodes) & set(drain.nodes):
+            draining.setdefault(model_name, []).append(view)
+        elif state in ALIVE:
             alive.setdefault(model_name, []).append((replica_id, view))
-        elif state == "lost" and cut_off:
+        elif state == "lost" and holding:
             alive.setdefault(model_name, []).append((replica_id, view))  # hold on: maybe us
         else:
             stop_all(members, f"replica {replica_id} {state}: {reason}")
         views.append(view)
 
-    order = {"ready": 0, "unreachable": 1, "lost": 1, "starting": 2}
+    order = {"ready": 0, "unreachable": 1, "lost": 1, "starting": 2, "unhealthy": 3}
     for d in desired:
         have = alive.get(d.name, [])
         if len(have) > d.replicas:
@@ -187,6 +268,42 @@ def reconcile(
                 else v
                 for v in views
             ]
-        elif len(have) + pending.get(d.name, 0) < d.replicas and not cut_off:
+        elif len(have) + pending.get(d.name, 0) < d.replicas and not holding:
             actions += [Start(d.name)] * (d.replicas - len(have) - pending.get(d.name, 0))
-    return Plan(tuple(actions), tuple(views), tuple(notes))
+    if drain is not None and draining:
+        views = _apply_drain(wanted, alive, draining, drain, now, holding, views, stop_all,
+                             by_replica)  # fmt: skip
+    return Plan(tuple(actions), tuple(views), tuple(notes), cut_off=cut_off, holding=holding)
+
+
+# draining (the rule itself is llmgw/core/_drain.py) -----------------------------------------
+
+
+def _apply_drain(
+    wanted: Mapping[str, DesiredModel],
+    alive: Mapping[str, list[tuple[str, ReplicaView]]],
+    draining: Mapping[str, list[ReplicaView]],
+    drain: DrainInput,
+    now: float,
+    cut_off: bool,
+    views: list[ReplicaView],
+    stop_all: Callable[[Sequence[ObservedShard], str], None],
+    by_replica: Mapping[str, list[ObservedShard]],
+) -> list[ReplicaView]:
+    decided: dict[str, tuple[str, str]] = {}
+    for model_name, mine in sorted(draining.items()):
+        d = wanted[model_name]  # a live replica's model is in the catalog
+        ready_elsewhere = sum(1 for _, v in alive.get(model_name, []) if v.state == "ready")
+        rows = [DrainingReplica(v.replica_id, v.state == "ready", v.first_seen) for v in mine]
+        for dec in drain_model(model_name, d.replicas, ready_elsewhere, rows, drain, now,
+                               cut_off=cut_off):  # fmt: skip
+            decided[dec.replica_id] = (dec.state, dec.reason)
+            if dec.stop:
+                why = f"replica {dec.replica_id} retired: {dec.reason}"
+                stop_all(by_replica[dec.replica_id], why)
+    return [
+        attrs.evolve(v, state=decided[v.replica_id][0], reason=decided[v.replica_id][1])
+        if v.replica_id in decided
+        else v
+        for v in views
+    ]

@@ -17,12 +17,12 @@ from llmgw._process import run_service, setup_logging
 from llmgw.cp import _catalog_file
 from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
 from llmgw.cp._catalog_file import CatalogFile
-from llmgw.cp._endpoints import FleetEndpoints
+from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
 from llmgw.errors import ConfigError
 from llmgw.router import Router, RouterConfig, SqliteKeyStore, serve_http
-from llmgw.rpc import CapnpThread, _tls
+from llmgw.rpc import CapnpThread, Deadlines, HandshakeLimits, _tls
 
 log = logging.getLogger("llmgw.cp")
 
@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, config.ServerConfig)
         catalog = CatalogFile(args.config, _catalog_file.read(args.config))
-        router_cfg = config.structure(cfg.router, RouterConfig, f"{args.config}: router")
+        router_cfg = config.structure(cfg.router, RouterConfig, str(args.config), at="router")
+        # Before anything starts: a missing file is named by its key, not only its path.
+        config.check_tls_files(cfg.tls, args.config)
     except ConfigError as exc:
         print(f"llmgw-cp: {exc}", file=sys.stderr)
         return 2
@@ -60,16 +62,20 @@ async def serve(
     key_path, created = ensure_admin_key(cfg.state_dir)
     if created:
         log.info("created the first admin key in %s (keep it safe)", key_path)
-    registry = NodeRegistry(_policy(cfg))
+    registry = NodeRegistry(_policy(cfg), forget_after_s=cfg.forget_after_s)
     registry.load_overrides(cfg.state_dir / "overrides.json")
+    registry.load_known(cfg.state_dir / "known_nodes.json")  # whom a restart waits for
     reconciler = Reconciler(
         registry,
         lambda: catalog.catalog,
         interval_s=cfg.reconcile_interval_s,
         settle_s=cfg.reconcile_settle_s,
         stop_grace_s=cfg.stop_grace_s,
+        drain_timeout_s=cfg.drain_timeout_s,
+        unhealthy_replace_s=cfg.unhealthy_replace_s,
     )
-    endpoints = FleetEndpoints(registry, lambda: catalog.catalog)
+    endpoints = FleetEndpoints(registry, lambda: catalog.catalog, reconciler.retiring)
+    reconciler.on_retiring = endpoints.refresh
     registry.listeners += [reconciler.poke, endpoints.refresh]
 
     def catalog_changed() -> None:
@@ -79,6 +85,8 @@ async def serve(
     catalog.on_change = catalog_changed
     keys = SqliteKeyStore(cfg.state_dir / "keys.sqlite")
     router = Router(router_cfg or RouterConfig(), endpoints, keys)
+    if cfg.router_listen is not None:  # else no requests pass here: in flight is unknown
+        reconciler.in_flight = lambda replica, node: router.in_flight(endpoint_id(replica, node))
     admin = AdminApp(
         registry,
         read_admin_key(key_path),
@@ -94,11 +102,18 @@ async def serve(
     hc.accesslog = None
     hc.graceful_timeout = 1.0
 
-    async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+    deadlines = Deadlines(default_s=cfg.rpc_deadline_s)
+    handshake = HandshakeLimits(
+        timeout_s=cfg.rpc_handshake_timeout_s, max_pending=cfg.rpc_max_pending_handshakes
+    )
+    async with (
+        CapnpThread.open(deadlines=deadlines, handshake=handshake) as bridge,
+        trio.open_nursery() as nursery,
+    ):
         await nursery.start(registry.run)
         await nursery.start(reconciler.run)
         nursery.start_soon(catalog.watch)
-        port = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, registry)
+        rpc_bound = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, registry)
         await nursery.start(hypercorn.trio.serve, admin, hc)
         await nursery.start(router.run)
         if cfg.router_listen is not None:
@@ -110,7 +125,7 @@ async def serve(
         log.info(
             "control plane ready: agents on %s:%d, admin API on http://%s",
             rpc_host,
-            port,
+            rpc_bound,
             cfg.admin_listen,
         )
         task_status.started()

@@ -1,10 +1,21 @@
 """The reconciler's I/O shell: observe, plan (pure), act, and again.
 
-Every `interval_s` it turns the registry's shard reports into observations,
-asks `core.reconcile` what to do, places each Start with `core.place`, and
-sends start/stop commands through the agents' capabilities. After the
-control plane starts it waits `settle_s` before acting, so that agents
-re-register and their replicas are adopted rather than started again.
+Every `interval_s` (and on every change) it turns the registry's shard
+reports into observations, asks `core.reconcile` what to do, places each Start
+with `core.place`, and sends start/stop commands through the agents'
+capabilities. Decide, then act: a pass plans synchronously, hands each start
+and stop to a task of its own in the reconciler's nursery, each bounded by a
+deadline, and returns; the next pass plans again from what is then observed.
+Starts still in flight count as pending (their model's replicas, their cards,
+their ports), so no pass starts the same replica twice, and a start that
+failed or timed out stops counting as soon as its task ends. One agent that
+accepts a call and never answers holds up only its own task.
+
+After the control plane starts it does not act until every known node (the
+registry's list, kept in the state dir) has registered again, or `settle_s`
+has passed since the last registration (at most `SETTLE_MAX_FACTOR` times
+`settle_s` after the start): agents re-register first, and their replicas are
+adopted rather than started again.
 """
 
 from __future__ import annotations
@@ -18,17 +29,34 @@ import trio
 
 import llmgw.core._placement as placement
 from llmgw import core, engines, model
-from llmgw.core._reconcile import DesiredModel, ObservedShard, Plan, ReplicaView, Start, Stop
+from llmgw.core._reconcile import (
+    DesiredModel,
+    ObservedShard,
+    Plan,
+    ReplicaView,
+    Start,
+    Stop,
+    guard_release_at,
+)
 from llmgw.cp._catalog import Catalog, CatalogModel, Profile, engine_profile, fingerprint
 from llmgw.cp._registry import NodeRecord, NodeRegistry
 from llmgw.cp._shards import PORTS, free_port, ports_taken, to_shard_spec
-from llmgw.errors import LlmgwError
+from llmgw.errors import DeadlineExceeded, LlmgwError
 
 log = logging.getLogger("llmgw.cp.reconciler")
 
 RENDEZVOUS_PORTS = (29500, 29999)
 FOREIGN_MEMORY_LIMIT_MIB = 1024  # a card with more held by others is not healthy for placement
-PENDING_TTL_S = 120.0
+FAILED_START_VISIBLE_S = 600.0  # a start that never reached its agent stays in `replicas()`
+
+
+@attrs.frozen
+class _Pending:
+    """A replica whose start is in flight: counted, and its cards and ports taken."""
+
+    model_name: str
+    since: float
+    ranks: tuple[tuple[str, model.ShardSpec], ...]  # (node, spec), the leader first
 
 
 @attrs.frozen
@@ -46,6 +74,8 @@ class Reconciler:
         interval_s: float = 2.0,
         settle_s: float = 10.0,
         stop_grace_s: float = 30.0,
+        drain_timeout_s: float = 300.0,
+        unhealthy_replace_s: float = 30.0,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self._registry = registry
@@ -54,21 +84,44 @@ class Reconciler:
         self.settle_s = settle_s
         self.stop_grace_s = stop_grace_s
         self._clock = clock
+        self.unhealthy_replace_s = unhealthy_replace_s
         self._started_at: float | None = None
+        self._settled = False  # latches once the fleet has re-registered after our start
+        self._expected: frozenset[str] = frozenset()
+        self._settle_note: str | None = None
+        self._guard_held_at: float | None = None  # the last pass that found the fleet away
+        self._passes = 0
         self._first_seen: dict[str, float] = {}
-        self._pending: dict[str, tuple[str, float]] = {}  # replica id -> (model, when)
+        self._pending: dict[str, _Pending] = {}  # replica id -> its start, in flight
+        self._failed_starts: dict[str, ReplicaView] = {}  # replica id -> why it never started
+        self._unanswered: dict[str, float] = {}  # node -> when a call to it timed out
+        self._unhealthy_since: dict[str, float] = {}  # shard id -> first seen unhealthy
         self._stopping: set[tuple[str, str]] = set()
         self._unplaced: dict[str, Unplaced] = {}
         self._last_plan = Plan((), ())
         self._last_notes: tuple[str, ...] = ()
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
+        # Draining (the rule: llmgw/core/_drain.py). `in_flight(replica id, rank-0 node)`
+        # is the router's count (None: no router here, so unknown); `on_retiring` is
+        # called when the set of retiring replicas changes (the endpoints re-read it).
+        self.drain_timeout_s = drain_timeout_s
+        self.in_flight: Callable[[str, str], int] | None = None
+        self.on_retiring: Callable[[], None] | None = None
+        self._retiring: dict[str, float] = {}  # replica id -> first pass that showed it retiring
 
     def __repr__(self) -> str:
         return f"<Reconciler {self.statistics()}>"
 
     def statistics(self) -> dict[str, int]:
+        """`passes`: completed passes (plan, then act or wait); a test that waits for one
+        more knows the reconciler has looked at what it just did. `settling`: 1 while
+        it waits for the fleet to re-register after its start; `holding`: 1 while the
+        guard holds (most of the fleet away, or just back)."""
         return {
+            "passes": self._passes,
+            "settling": int(not self._settled),
+            "holding": int(self._last_plan.holding),
             "replicas": len(self._last_plan.replicas),
             "pending": len(self._pending),
             "stopping": len(self._stopping),
@@ -81,6 +134,8 @@ class Reconciler:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._started_at = self._clock()
+        self._settled = False
+        self._expected = frozenset(self._registry.known)  # known before this start
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
@@ -128,31 +183,120 @@ class Reconciler:
     def plan(self) -> Plan:
         now = self._clock()
         shards, states = self.observe()
+        # Expected but not registered (since our start): away, for the guard.
+        for node_id in self._registry.known:
+            states.setdefault(node_id, "absent")
+        ready_since = {
+            rec.node_id: rec.liveness.since
+            for rec in self._registry.records()
+            if rec.liveness.state is core.NodeState.READY
+        }
         seen = {s.replica_id for s in shards if s.replica_id}
         for replica_id in seen:
             self._first_seen.setdefault(replica_id, now)
-            self._pending.pop(replica_id, None)
-        for replica_id, (_, when) in list(self._pending.items()):
-            if now - when > PENDING_TTL_S:
-                del self._pending[replica_id]
+        # A start in flight counts until its replica is reported, not twice after.
         pending: dict[str, int] = {}
-        for model_name, _ in self._pending.values():
-            pending[model_name] = pending.get(model_name, 0) + 1
-        return core.reconcile(
-            self.desired(self._catalog()), shards, states, self._first_seen, now, pending=pending
+        for replica_id, p in self._pending.items():
+            if replica_id not in seen:
+                pending[p.model_name] = pending.get(p.model_name, 0) + 1
+        sick = {s.shard_id for s in shards if s.state == "unhealthy"}
+        self._unhealthy_since = {
+            sid: self._unhealthy_since.get(sid, now) for sid in sick
+        }  # a shard that recovers starts from zero next time
+        plan = core.reconcile(
+            self.desired(self._catalog()), shards, states, self._first_seen, now,
+            pending=pending, drain=self._drain_input(shards),
+            unhealthy_since=self._unhealthy_since, unhealthy_replace_s=self.unhealthy_replace_s,
+            guard_held_at=self._guard_held_at, ready_since=ready_since, settle_s=self.settle_s,
+        )  # fmt: skip
+        if plan.cut_off:
+            self._guard_held_at = now
+        self._note_retiring(plan, now)
+        return plan
+
+    def settling(self) -> str | None:
+        """Why the reconciler does not act yet after its start, or None once it may.
+
+        Done when every known node has registered since the start, or `settle_s`
+        has passed since the last registration (or the start), capped at
+        `SETTLE_MAX_FACTOR` times `settle_s` after the start. Latches.
+        """
+        if self._settled or self._started_at is None:
+            return None
+        now = self._clock()
+        registered = {
+            rec.node_id: rec.registered_at
+            for rec in self._registry.records()
+            if rec.registered_at >= self._started_at
+        }
+        known = self._expected & self._registry.known  # a forgotten node is not waited for
+        missing = sorted(known - registered.keys())
+        release = guard_release_at(self._started_at, registered, self.settle_s)
+        if (known and not missing) or now >= release:
+            self._settled = True
+            if missing:
+                log.info(
+                    "settled after %.0f s: %d of %d known nodes registered; not yet: %s",
+                    now - self._started_at, len(known) - len(missing), len(known),
+                    ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else ""),
+                )  # fmt: skip
+            else:
+                log.info("settled after %.0f s: every known node registered",
+                         now - self._started_at)  # fmt: skip
+            return None
+        if not known:  # a first start, or a state dir without known_nodes.json
+            return f"waiting {release - now:.0f} s for agents to register before acting"
+        return (
+            f"waiting for {len(missing)} of {len(known)} known nodes to register "
+            f"(at most {release - now:.0f} s more) before acting"
         )
+
+    # draining --------------------------------------------------------------------------------
+
+    def _drain_input(self, shards: Sequence[ObservedShard]) -> core.DrainInput:
+        nodes = frozenset(self._registry.draining)
+        in_flight: dict[str, int | None] = {}
+        touched = {s.replica_id for s in shards if s.node_id in nodes and s.replica_id}
+        for s in shards:
+            if s.replica_id in touched and s.rank == 0:
+                count = self.in_flight(s.replica_id, s.node_id) if self.in_flight else None
+                in_flight[s.replica_id] = count
+        return core.DrainInput(nodes, in_flight, dict(self._retiring), self.drain_timeout_s)
+
+    def _note_retiring(self, plan: Plan, now: float) -> None:
+        retiring = {v.replica_id for v in plan.replicas if v.state == "retiring"}
+        if retiring == set(self._retiring):
+            return
+        self._retiring = {r: self._retiring.get(r, now) for r in retiring}
+        if self.on_retiring is not None:
+            self.on_retiring()
+
+    def retiring(self) -> frozenset[str]:
+        """Replicas on draining nodes whose replacement is ready: the router leaves them out."""
+        return frozenset(self._retiring)
 
     # act -----------------------------------------------------------------------------------
 
     async def tick(self) -> None:
-        plan = self.plan()
-        self._last_plan = plan
-        if plan.notes != self._last_notes:
-            for note in plan.notes:
-                log.warning("%s", note)
-            self._last_notes = plan.notes
-        if self._started_at is not None and self._clock() - self._started_at < self.settle_s:
-            return  # let agents re-register first: what runs is adopted, not started again
+        """One pass: plan, then hand the actions to tasks; it never waits on an agent."""
+        try:
+            plan = self.plan()
+            self._last_plan = plan
+            if plan.notes != self._last_notes:
+                for note in plan.notes:
+                    log.warning("%s", note)
+                self._last_notes = plan.notes
+            waiting = self.settling()
+            if waiting is not None and self._settle_note is None:
+                log.info("%s", waiting)  # once; "settled ..." follows
+            self._settle_note = waiting
+            if waiting is None:
+                self._act(plan)
+        finally:
+            self._passes += 1
+        await trio.lowlevel.checkpoint()
+
+    def _act(self, plan: Plan) -> None:
         catalog = self._catalog()
         starts = [a for a in plan.actions if isinstance(a, Start)]
         for action in plan.actions:
@@ -163,13 +307,18 @@ class Reconciler:
         for action in starts:
             m = catalog.model(action.model_name)
             if m is not None and placer is not None:
-                await self._start(m, placer)
+                self._start_soon(m, placer)
                 placed_models.add(m.name)
         for name in list(self._unplaced):
             if catalog.model(name) is None or (
                 name not in {a.model_name for a in starts} and name not in placed_models
             ):
                 self._unplaced.pop(name, None)
+        now = self._clock()
+        for replica_id, view in list(self._failed_starts.items()):
+            old = now - view.first_seen > FAILED_START_VISIBLE_S
+            if old or catalog.model(view.model_name) is None:
+                del self._failed_starts[replica_id]
 
     def _stop_soon(self, action: Stop) -> None:
         key = (action.node_id, action.shard_id)
@@ -184,29 +333,78 @@ class Reconciler:
             if agent is None:
                 return
             log.info("stopping shard %s on %s: %s", action.shard_id, action.node_id, action.reason)
+            self._note_stop(action)
+            # Bounded by the handle: the grace, plus its deadline (llmgw/rpc Deadlines).
             await agent.stop_shard(self._registry.epoch, action.shard_id, self.stop_grace_s)
             self._registry.forget_shard(action.node_id, action.shard_id)
+        except DeadlineExceeded as exc:
+            self._unanswered[action.node_id] = self._clock()
+            log.warning("stopping %s: node %s %s", action.shard_id, action.node_id, exc)
+            self._registry.events.command_stuck(
+                action.node_id, f"node {action.node_id} {exc}", shard_id=action.shard_id
+            )
         except LlmgwError as exc:
             log.warning("stopping %s on %s failed: %s", action.shard_id, action.node_id, exc)
         finally:
             self._stopping.discard((action.node_id, action.shard_id))
             self.poke()
 
+    def _note_stop(self, action: Stop) -> None:
+        """Keep why, for `ctl replicas` and `ctl events` (llmgw/cp/_events.py)."""
+        rec = self._registry.record(action.node_id)
+        shards = rec.shards if rec is not None else ()
+        shard = next((s for s in shards if s.shard_id == action.shard_id), None)
+        replica_id = shard.replica_id if shard is not None else None
+        view = next((v for v in self._last_plan.replicas if v.replica_id == replica_id), None)
+        self._registry.events.replica_stopped(
+            node_id=action.node_id,
+            shard_id=action.shard_id,
+            reason=action.reason,
+            replica_id=replica_id,
+            model_name=shard.model_name if shard is not None else None,
+            state=view.state if view is not None else None,
+        )
+
     def facts(self) -> list[placement.NodeFacts]:
-        cordoned = self._registry.cordoned
-        return [
-            attrs.evolve(node_facts(rec), cordoned=rec.node_id in cordoned)
-            for rec in self._registry.records()
-        ]
+        held = self._registry.cordoned.keys() | self._registry.draining.keys()
+        out = []
+        for rec in self._registry.records():
+            facts = attrs.evolve(node_facts(rec), cordoned=rec.node_id in held)
+            if self._silent_since_unanswered(rec):
+                facts = attrs.evolve(facts, ready=False, state="did not answer the last call")
+            out.append(facts)
+        return out
+
+    def _silent_since_unanswered(self, rec: NodeRecord) -> bool:
+        """A node that did not answer a call, and has not been heard from since: placement
+        leaves it out, so the next pass does not send it the same start again."""
+        when = self._unanswered.get(rec.node_id)
+        if when is None:
+            return False
+        if rec.liveness.last_seen > when:
+            del self._unanswered[rec.node_id]
+            return False
+        return True
 
     def allocations(self) -> placement.Allocations:
         gpus: dict[str, frozenset[int]] = {}
         cpu: dict[str, int] = {}
         for rec in self._registry.records():
             index = {g.uuid: g.index for g in rec.inventory.gpus or ()}
+            reported = {s.shard_id for s in rec.shards}
+            # Starts in flight hold their cards too: the next pass must not give them again.
+            flying = [
+                spec
+                for p in self._pending.values()
+                for node_id, spec in p.ranks
+                if node_id == rec.node_id and spec.shard_id not in reported
+            ]
             used = {index[u] for s in rec.shards for u in s.gpus if u in index}
+            used |= {index[u] for spec in flying for u in spec.gpus if u in index}
             gpus[rec.node_id] = frozenset(used)
-            cpu[rec.node_id] = sum(1 for s in rec.shards if not s.gpus)
+            cpu[rec.node_id] = sum(1 for s in rec.shards if not s.gpus) + sum(
+                1 for spec in flying if not spec.gpus
+            )
         return placement.Allocations(gpus=gpus, cpu_replicas=cpu)
 
     def placer(self) -> placement.Placer:
@@ -228,7 +426,9 @@ class Reconciler:
             reasons += [prefix + r for r in result.reasons] or [prefix + "no node"]
         return Unplaced(m.name, tuple(reasons))
 
-    async def _start(self, m: CatalogModel, placer: placement.Placer) -> None:
+    def _start_soon(self, m: CatalogModel, placer: placement.Placer) -> None:
+        """Place one replica now (synchronously, so the pass's next placement sees its
+        cards taken) and send its start in a task of its own."""
         found = self.try_place(m, placer)
         if isinstance(found, Unplaced):
             if self._unplaced.get(m.name) != found:
@@ -241,27 +441,60 @@ class Reconciler:
         replica_id = f"{m.name}-{secrets.token_hex(3)}"
         records = {r.node_id: r for r in self._registry.records()}
         specs = self._specs(m, profile, where, replica_id, records)
-        self._pending[replica_id] = (m.name, self._clock())
-        self._first_seen[replica_id] = self._clock()
+        now = self._clock()
         log.info(
             "starting replica %s of %s on %s",
             replica_id,
             m.name,
             ", ".join(f"{r.node_id}{list(r.gpu_indexes) or ''}" for r in where.ranks),
         )
-        # Every rank together, the leader first.
-        for node_id, spec in specs:
-            agent = self._registry.agent(node_id)
-            if agent is None:
-                log.warning("replica %s: node %s went away before its start", replica_id, node_id)
-                return
-            try:
-                report = await agent.start_shard(self._registry.epoch, spec)
-            except LlmgwError as exc:
-                log.warning("replica %s: starting rank %d on %s failed: %s", replica_id,
-                            spec.rank, node_id, exc)  # fmt: skip
-                return
-            self._registry.note_shard(node_id, report)
+        if self._nursery is None:  # not running: nothing can be sent
+            return
+        self._pending[replica_id] = _Pending(m.name, now, tuple(specs))
+        self._first_seen[replica_id] = now
+        self._nursery.start_soon(self._start, replica_id)
+
+    async def _start(self, replica_id: str) -> None:
+        """Every rank, the leader first, each call bounded; on any failure the ranks
+        already started are stopped, and the next pass plans from what is reported."""
+        p = self._pending[replica_id]
+        started: list[tuple[str, str]] = []
+        failure: str | None = None
+        try:
+            for node_id, spec in p.ranks:
+                agent = self._registry.agent(node_id)
+                if agent is None:
+                    failure = f"node {node_id} went away before rank {spec.rank} was started"
+                    break
+                try:
+                    # Bounded by the handle (llmgw/rpc Deadlines, startShard 10 s).
+                    report = await agent.start_shard(self._registry.epoch, spec)
+                except DeadlineExceeded as exc:
+                    self._unanswered[node_id] = self._clock()
+                    failure = f"node {node_id} {exc}"
+                    self._registry.events.command_stuck(node_id, failure, shard_id=spec.shard_id,
+                                                        replica_id=replica_id,
+                                                        model_name=p.model_name)  # fmt: skip
+                    break
+                except LlmgwError as exc:
+                    failure = f"starting rank {spec.rank} on {node_id} failed: {exc}"
+                    break
+                started.append((node_id, spec.shard_id))
+                self._registry.note_shard(node_id, report)
+        finally:
+            del self._pending[replica_id]
+        if failure is None:
+            self.poke()  # plan again from what the agents answered
+            return
+        # No poke: an agent that refuses at once would be asked again in a busy loop;
+        # the next pass, `interval_s` on, plans from what is observed.
+        log.warning("replica %s of %s: %s", replica_id, p.model_name, failure)
+        self._failed_starts[replica_id] = ReplicaView(
+            replica_id, p.model_name, "failed", tuple(n for n, _ in p.ranks), p.since, False,
+            failure,
+        )  # fmt: skip
+        for node_id, shard_id in started:
+            self._stop_soon(Stop(node_id, shard_id, f"replica {replica_id}: {failure}"))
 
     def _specs(
         self,
@@ -272,6 +505,10 @@ class Reconciler:
         records: dict[str, NodeRecord],
     ) -> list[tuple[str, model.ShardSpec]]:
         taken = ports_taken(records.values())
+        for p in self._pending.values():  # ports of starts in flight are taken too
+            for node_id, spec in p.ranks:
+                if node_id in records and spec.port is not None:
+                    taken.setdefault(records[node_id].host, set()).add(spec.port)
         first, last = profile.port_range or PORTS
         leader_host = records[where.ranks[0].node_id].host
         rendezvous = free_port(taken.get(leader_host, set()), *RENDEZVOUS_PORTS)
@@ -310,7 +547,17 @@ class Reconciler:
     # views ---------------------------------------------------------------------------------
 
     def replicas(self) -> list[ReplicaView]:
-        return list(self._last_plan.replicas)
+        """The last plan's replicas, then starts in flight not reported yet, then starts
+        that never reached their agent (with why), for `FAILED_START_VISIBLE_S`."""
+        views = list(self._last_plan.replicas)
+        shown = {v.replica_id for v in views}
+        for replica_id, p in sorted(self._pending.items()):
+            if replica_id not in shown:
+                nodes = tuple(n for n, _ in p.ranks)
+                views.append(ReplicaView(replica_id, p.model_name, "starting", nodes, p.since,
+                                         False, "start sent, not answered yet"))  # fmt: skip
+        views += [v for r, v in sorted(self._failed_starts.items()) if r not in shown]
+        return views
 
     def unplaced(self) -> list[Unplaced]:
         return list(self._unplaced.values())
@@ -333,17 +580,32 @@ def placement_profile(m: CatalogModel, p: Profile) -> placement.PlacementProfile
     )
 
 
+def _gpu_healthy(g: model.Gpu, usage: model.GpuUsage | None) -> bool:
+    """No uncorrected ECC errors, and no more than the limit held by others.
+
+    The newest heartbeat's reading wins over the registration's; a reading the
+    heartbeat lacks (absent: not measured) falls back to the registration's.
+    """
+    ecc = usage.ecc_uncorrected if usage is not None else None
+    if ecc is None:
+        ecc = g.ecc_uncorrected
+    foreign = usage.foreign_memory_mib if usage is not None else None
+    if foreign is None:
+        foreign = g.foreign_memory_mib
+    return not ecc and (foreign or 0) <= FOREIGN_MEMORY_LIMIT_MIB
+
+
 def node_facts(rec: NodeRecord) -> placement.NodeFacts:
     inv = rec.inventory
     gpus = None
     if inv.gpus is not None:
+        usage = {u.index: u for u in inv.usage.gpus}
         gpus = tuple(
             placement.GpuFacts(
                 index=g.index,
                 uuid=g.uuid,
                 gpu_class=g.gpu_class,
-                healthy=not g.ecc_uncorrected
-                and (g.foreign_memory_mib or 0) <= FOREIGN_MEMORY_LIMIT_MIB,
+                healthy=_gpu_healthy(g, usage.get(g.index)),
                 numa_node=g.numa_node,
             )
             for g in inv.gpus
@@ -379,3 +641,4 @@ def _held(inv: model.Inventory) -> frozenset[str]:
 def _parents(path: str) -> Sequence[str]:
     parts = path.rstrip("/").split("/")
     return ["/".join(parts[:i]) for i in range(2, len(parts))]
+

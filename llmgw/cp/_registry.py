@@ -19,7 +19,8 @@ import attrs
 import trio
 
 from llmgw import core, model
-from llmgw.errors import ConfigError, RegistrationRefused
+from llmgw.cp._events import EventLog
+from llmgw.errors import ConfigError, NotFound, RegistrationRefused, UsageError
 from llmgw.rpc import AgentHandle, PeerInfo, SessionServant
 
 log = logging.getLogger("llmgw.cp.registry")
@@ -36,6 +37,7 @@ class NodeRecord:
     shards: tuple[model.ShardReport, ...]
     agent: AgentHandle | None
     last_seen_wall: float
+    registered_at: float = 0.0  # clock value of this registration
 
     @property
     def host(self) -> str:
@@ -69,8 +71,10 @@ class NodeRegistry:
         clock: Callable[[], float] = trio.current_time,
         wall: Callable[[], float] = time.time,
         epoch: int = 1,
+        forget_after_s: float | None = None,
     ) -> None:
         self.policy = policy
+        self.forget_after_s = forget_after_s  # a node lost this long is forgotten; None: never
         self.epoch = epoch
         self._clock = clock
         self._wall = wall
@@ -78,9 +82,19 @@ class NodeRegistry:
         self._nursery: trio.Nursery | None = None
         self._generations = 0
         self.cordoned: dict[str, str] = {}  # node -> why; placement leaves these nodes out
+        # node -> why; cordoned for placement, and what runs there is moved off
+        # (the reconcile plan's drain rule, llmgw/core/_drain.py)
+        self.draining: dict[str, str] = {}
         self._overrides: Path | None = None
+        # Every node that ever registered and was not forgotten: whom a restarted
+        # control plane waits for before it acts (the reconciler's settle).
+        self.known: set[str] = set()
+        self._known_path: Path | None = None
+        self._known_dirty = False
         # Called on a registration, a shard report, a state change.
         self.listeners: list[Callable[[], None]] = []
+        # Why things happened (failed shards, state changes), for the admin API.
+        self.events = EventLog(clock=clock, wall=wall)
 
     def __repr__(self) -> str:
         return f"<NodeRegistry {self.statistics()}>"
@@ -92,13 +106,14 @@ class NodeRegistry:
         return counts
 
     def load_overrides(self, path: Path) -> None:
-        """Operator overrides (cordons) survive a restart: they live in the state dir."""
+        """Operator overrides (cordons, drains) survive a restart: they live in the state dir."""
         self._overrides = path
         try:
             data = json.loads(path.read_text())
             self.cordoned = {str(k): str(v) for k, v in data.get("cordoned", {}).items()}
+            self.draining = {str(k): str(v) for k, v in data.get("draining", {}).items()}
         except FileNotFoundError:
-            self.cordoned = {}
+            self.cordoned, self.draining = {}, {}
         except (OSError, ValueError, AttributeError) as exc:
             raise ConfigError(f"{path}: unreadable node overrides: {exc}") from None
 
@@ -108,19 +123,90 @@ class NodeRegistry:
         log.info("node %s cordoned: %s", node_id, self.cordoned[node_id])
         self._changed()
 
-    def uncordon(self, node_id: str) -> bool:
-        if self.cordoned.pop(node_id, None) is None:
-            return False
+    def uncordon(self, node_id: str) -> list[str]:
+        """Lift a cordon and a drain (as kubectl's uncordon does); returns what was lifted."""
+        lifted = [
+            what
+            for what, table in (("cordon", self.cordoned), ("drain", self.draining))
+            if table.pop(node_id, None) is not None
+        ]
+        if not lifted:
+            return lifted
         self._save_overrides()
-        log.info("node %s uncordoned", node_id)
+        log.info("node %s uncordoned (lifted: %s)", node_id, ", ".join(lifted))
         self._changed()
-        return True
+        return lifted
+
+    def drain(self, node_id: str, reason: str | None) -> None:
+        """Move what runs on the node elsewhere, replacement first, and place nothing there."""
+        self.draining[node_id] = reason or "drained by an operator"
+        self._save_overrides()
+        log.info("node %s draining: %s", node_id, self.draining[node_id])
+        self._changed()
+
+    def forget(self, node_id: str, why: str = "forgotten by an operator") -> str:
+        """Remove a node that is not connected from the fleet, from the guard's count and
+        from the known nodes a restarted control plane waits for; returns what it was.
+
+        Its cordon and drain go with it: if it comes back, it registers as a new node.
+        """
+        rec = self._nodes.get(node_id)
+        if rec is None and node_id not in self.known:
+            raise NotFound(f"no node {node_id!r} is known to this control plane")
+        if rec is not None and rec.agent is not None:
+            raise UsageError(
+                f"node {node_id} is connected ({rec.liveness.state.value}): only a node "
+                "that is not connected can be forgotten; stop its agent first, or drain it"
+            )
+        was = "not registered since this start" if rec is None else rec.liveness.state.value
+        self._nodes.pop(node_id, None)
+        if node_id in self.known:
+            self.known.discard(node_id)
+            self._save_known()  # now, not on the next tick: a restart must not wait for it
+        had = self.cordoned.pop(node_id, None), self.draining.pop(node_id, None)
+        if any(v is not None for v in had):
+            self._save_overrides()
+        reason = f": {rec.liveness.reason}" if rec is not None else ""
+        log.info("node %s forgotten (%s; it was %s%s)", node_id, why, was, reason)
+        self.events.node_state(node_id, was, "forgotten", why)
+        self._changed()
+        return was
+
+    def load_known(self, path: Path) -> None:
+        """The known nodes survive a restart: a JSON list in the state dir."""
+        self._known_path = path
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            self.known = set()
+            return
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"{path}: unreadable list of known nodes: {exc}; fix or delete it (the control "
+                "plane then waits reconcile_settle_s after its start instead)"
+            ) from None
+        nodes = data.get("nodes") if isinstance(data, dict) else None
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            raise ConfigError(
+                f"{path}: expected {{\"nodes\": [node ids]}}, got {str(data)[:80]!r}; fix or "
+                "delete it (the control plane then waits reconcile_settle_s after its start)"
+            )
+        self.known = set(nodes)
+
+    def _save_known(self) -> None:
+        self._known_dirty = False
+        if self._known_path is None:
+            return
+        tmp = self._known_path.with_name(self._known_path.name + ".tmp")
+        tmp.write_text(json.dumps({"nodes": sorted(self.known)}, indent=1))
+        os.replace(tmp, self._known_path)
 
     def _save_overrides(self) -> None:
         if self._overrides is None:
             return
         tmp = self._overrides.with_name(self._overrides.name + ".tmp")
-        tmp.write_text(json.dumps({"cordoned": self.cordoned}, indent=1))
+        body = {"cordoned": self.cordoned, "draining": self.draining}
+        tmp.write_text(json.dumps(body, indent=1))
         os.replace(tmp, self._overrides)
 
     def _changed(self) -> None:
@@ -171,8 +257,12 @@ class NodeRegistry:
             shards=hello.shards,
             agent=agent,
             last_seen_wall=self._wall(),
+            registered_at=now,
         )
         self._nodes[hello.node_id] = rec
+        if hello.node_id not in self.known:
+            self.known.add(hello.node_id)
+            self._known_dirty = True  # written on the next tick: a storm writes it once
         before = old.liveness.state.value if old else "new"
         log.info(
             "node %s: %s -> ready (registered from %s, %d shards)",
@@ -181,6 +271,9 @@ class NodeRegistry:
             peer.address,
             len(hello.shards),
         )
+        self.events.node_state(hello.node_id, before, "ready", f"registered from {peer.address}")
+        for shard in hello.shards:  # a failure while it was away is news too
+            self.events.shard_report(hello.node_id, shard)
         if self._nursery is not None:
             self._nursery.start_soon(self._watch, hello.node_id, generation, peer.closed)
         self._changed()
@@ -207,6 +300,14 @@ class NodeRegistry:
         before = rec.liveness
         rec.liveness = core.step(before, event, self.policy)
         if rec.liveness.state is not before.state:
+            self.events.node_state(
+                rec.node_id,
+                before.state.value,
+                rec.liveness.state.value,
+                rec.liveness.reason,
+                replicas=[(s.replica_id, s.model_name, s.shard_id) for s in rec.shards
+                          if s.replica_id is not None],
+            )  # fmt: skip
             self._changed()
             log.info(
                 "node %s: %s -> %s (%s)",
@@ -236,14 +337,25 @@ class NodeRegistry:
         rec = self._current(node_id, generation)
         if rec is None:
             return
+        self.events.shard_report(node_id, shard)
         others = tuple(s for s in rec.shards if s.shard_id != shard.shard_id)
         rec.shards = others if shard.state == "stopped" else (*others, shard)
         self._changed()
 
     def tick(self) -> None:
-        event = core.Tick(self._clock())
-        for rec in self._nodes.values():
+        now = self._clock()
+        if self._known_dirty:
+            self._save_known()
+        event = core.Tick(now)
+        for rec in list(self._nodes.values()):
             self._apply(rec, event)
+            if (
+                self.forget_after_s is not None
+                and rec.liveness.state is core.NodeState.LOST
+                and rec.agent is None
+                and now - rec.liveness.since >= self.forget_after_s
+            ):
+                self.forget(rec.node_id, f"lost for {self.forget_after_s:g} s (forget_after_s)")
 
     # views --------------------------------------------------------------------
 
@@ -261,6 +373,8 @@ class NodeRegistry:
                 inventory=rec.inventory,
                 shards=rec.shards,
                 cordoned=self.cordoned.get(rec.node_id),
+                draining=self.draining.get(rec.node_id),
+                generation=rec.generation,
             )
             for rec in sorted(self._nodes.values(), key=lambda r: r.node_id)
         ]

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -37,14 +38,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     nodes = sub.add_parser("nodes", help="list the nodes and their state")
     nodes.add_argument("--json", action="store_true", help="the API's JSON, as is")
     nodes.set_defaults(func=_nodes)
+    nodes_sub = nodes.add_subparsers(dest="nodes_command")
+    forget = nodes_sub.add_parser(
+        "forget",
+        help="remove a node that is not connected from the fleet (a retired machine)",
+        description="Remove a node that is not connected: it leaves `nodes`, no longer counts "
+        "toward the control plane's mass-unreachable guard, and its replicas are replaced. "
+        "If it comes back, it registers as a new node.",
+    )
+    forget.add_argument("node")
+    forget.set_defaults(func=_nodes_forget)
 
     cordon = sub.add_parser("cordon", help="place nothing new on a node (running replicas stay)")
     cordon.add_argument("node")
     cordon.add_argument("--reason", default=None)
     cordon.set_defaults(func=_cordon)
-    uncordon = sub.add_parser("uncordon", help="let placement use a node again")
+    uncordon = sub.add_parser(
+        "uncordon", help="let placement use a node again (lifts a cordon and a drain)"
+    )
     uncordon.add_argument("node")
     uncordon.set_defaults(func=_uncordon)
+    drain = sub.add_parser(
+        "drain",
+        help="move a node's replicas elsewhere, replacement first, then stop them there",
+        description="Cordon the node and move what runs there: each replica is replaced "
+        "elsewhere first, then the router sends it nothing new, its in-flight requests "
+        "finish (up to drain_timeout_s), and it stops. `nodes` shows the node draining, "
+        "then drained. `uncordon` returns it to service.",
+    )
+    drain.add_argument("node")
+    drain.add_argument("--reason", default=None)
+    drain.set_defaults(func=_drain)
 
     shard = sub.add_parser("shard", help="start, stop and read shards on a node by hand")
     shard_sub = shard.add_subparsers(dest="shard_command", required=True)
@@ -75,9 +99,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = sub.add_parser("models", help="the catalog's models")
     models.add_argument("--json", action="store_true")
     models.set_defaults(func=_models)
-    replicas = sub.add_parser("replicas", help="every replica: state, nodes, age, stale, reason")
+    replicas = sub.add_parser(
+        "replicas",
+        help="every replica: state, nodes, age, stale, reason, and under it its last failure "
+        "(or its predecessor's) with the engine's last output lines",
+    )
     replicas.add_argument("--json", action="store_true")
+    replicas.add_argument(
+        "--lines", type=int, default=FAILURE_LINES, help="output lines shown per failure"
+    )
     replicas.set_defaults(func=_replicas)
+    events = sub.add_parser(
+        "events", help="recent events (failed shards, stops and why, node state changes)"
+    )
+    events.add_argument("--replica", default=None)
+    events.add_argument("--node", default=None)
+    events.add_argument("--limit", type=int, default=50, help="newest N (at most 1000)")
+    events.add_argument("--json", action="store_true")
+    events.set_defaults(func=_events)
     status = sub.add_parser("status", help="desired and ready replicas per model")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_status)
@@ -266,6 +305,9 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+FAILURE_LINES = 5
+
+
 def _replicas(args: argparse.Namespace) -> int:
     data = api(args, "GET", "/api/v1/replicas")
     if args.json:
@@ -273,6 +315,7 @@ def _replicas(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     rows = []
+    notes: dict[int, list[str]] = {}
     for r in data["replicas"]:
         reason = (r.get("reason") or "-").splitlines()
         rows.append(
@@ -287,7 +330,63 @@ def _replicas(args: argparse.Namespace) -> int:
             )
         )
         rows += [("", "", "", "", "", "", line) for line in reason[1:]]
-    print(_table(("MODEL", "REPLICA", "STATE", "NODES", "AGE", "STALE", "REASON"), rows))
+        if r.get("last_failure"):
+            notes[len(rows) - 1] = format_failure(
+                r["last_failure"], r["replica"], now=now, lines=args.lines
+            )
+    header = ("MODEL", "REPLICA", "STATE", "NODES", "AGE", "STALE", "REASON")
+    print(_with_notes(_table(header, rows), notes))
+    return 0
+
+
+def format_failure(
+    failure: dict[str, Any], replica: str | None, *, now: float, lines: int = FAILURE_LINES
+) -> list[str]:
+    """The lines under a replica: why it (or the one it replaces) failed, and the output."""
+    where = f" on {failure['node_id']}" if failure.get("node_id") else ""
+    if failure.get("shard_id"):
+        where += f" (shard {failure['shard_id']})"
+    ago = _age(now - failure["at"])
+    if failure["replica_id"] == replica:
+        head = f"  last failure {ago} ago{where}: {failure['reason']}"
+    else:
+        head = f"  replaces {failure['replica_id']}, failed {ago} ago{where}: {failure['reason']}"
+    shown = failure.get("lines") or []
+    return [head, *(f"      {line}" for line in shown[-lines:] if lines > 0)]
+
+
+def _with_notes(table: str, notes: dict[int, list[str]]) -> str:
+    """`table` with `notes[i]` printed under its row i (line 0 is the header)."""
+    out = []
+    for i, line in enumerate(table.splitlines()):
+        out.append(line)
+        out += notes.get(i - 1, [])
+    return "\n".join(out)
+
+
+def _events(args: argparse.Namespace) -> int:
+    query = [("limit", str(args.limit))]
+    query += [(k, v) for k, v in (("replica", args.replica), ("node", args.node)) if v]
+    data = api(args, "GET", "/api/v1/events?" + urlencode(query))
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    if not data["events"]:
+        what = " and ".join(
+            f"{k} {v}" for k, v in (("replica", args.replica), ("node", args.node)) if v
+        )
+        print(f"no events{' for ' + what if what else ''} (they are kept in memory since the "
+              "control plane started)")  # fmt: skip
+        return 0
+    now = time.time()
+    rows = []
+    notes: dict[int, list[str]] = {}
+    for e in data["events"]:
+        rows.append((_age(now - e["at"]), e["kind"], e["node_id"] or "-",
+                     e["replica_id"] or "-", e["message"]))  # fmt: skip
+        if e["lines"]:
+            notes[len(rows) - 1] = [f"      {line}" for line in e["lines"][-FAILURE_LINES:]]
+    print(_with_notes(_table(("AGO", "KIND", "NODE", "REPLICA", "WHAT"), rows), notes))
     return 0
 
 
@@ -296,10 +395,15 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    rows = [
-        (m["model"], str(m["desired"]), str(m["ready"]), "unplaced" if m["unplaced"] else "-")
-        for m in data["models"]
-    ]
+    now = time.time()
+    rows = []
+    for m in data["models"]:
+        note = ["unplaced"] if m["unplaced"] else []
+        failure = m.get("last_failure")
+        if failure:
+            note.append(f"{failure['replica_id']} failed {_age(now - failure['at'])} ago: "
+                        f"{failure['reason']}")  # fmt: skip
+        rows.append((m["model"], str(m["desired"]), str(m["ready"]), "; ".join(note) or "-"))
     print(_table(("MODEL", "DESIRED", "READY", "NOTE"), rows))
     return 0
 
@@ -330,8 +434,25 @@ def _cordon(args: argparse.Namespace) -> int:
 
 
 def _uncordon(args: argparse.Namespace) -> int:
-    api(args, "DELETE", f"/api/v1/nodes/{args.node}/cordon")
-    print(f"{args.node} uncordoned")
+    data = api(args, "DELETE", f"/api/v1/nodes/{args.node}/cordon")
+    lifted = " and ".join(data.get("lifted") or ["cordon"])
+    print(f"{args.node} uncordoned ({lifted} lifted): placement may use it again")
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    body = {"reason": args.reason} if args.reason else {}
+    api(args, "POST", f"/api/v1/nodes/{args.node}/drain", body)
+    print(
+        f"{args.node} draining: its replicas are replaced elsewhere, then stopped there; "
+        f"`llmgw ctl nodes` shows it drained once nothing runs there"
+    )
+    return 0
+
+
+def _nodes_forget(args: argparse.Namespace) -> int:
+    data = api(args, "DELETE", f"/api/v1/nodes/{args.node}")
+    print(f"{args.node} forgotten (it was {data['was']}): it no longer counts in the fleet")
     return 0
 
 
@@ -443,6 +564,14 @@ def _warn(warnings: list[str]) -> str:
     return first + (f" (+{len(warnings) - 1})" if len(warnings) > 1 else "")
 
 
+def _node_state(node: dict[str, Any], shards: list[dict[str, Any]]) -> str:
+    """Liveness, then the operator's override: `ready,draining` until nothing runs there."""
+    state = str(node["state"])
+    if node.get("draining"):
+        return state + (",draining" if shards else ",drained")
+    return state + (",cordoned" if node.get("cordoned") else "")
+
+
 def format_nodes(nodes: list[dict[str, Any]], *, now: float) -> str:
     """A table; every unknown is `-`, never 0."""
     header = (
@@ -460,7 +589,7 @@ def format_nodes(nodes: list[dict[str, Any]], *, now: float) -> str:
         rows.append(
             (
                 n["node_id"],
-                n["state"] + (",cordoned" if n.get("cordoned") else ""),
+                _node_state(n, shards),
                 _age(now - n["since"]),
                 _age(None if n.get("last_seen") is None else now - n["last_seen"]),
                 _gpus(inv.get("gpus")),

@@ -30,6 +30,7 @@ import attrs
 import trio
 from prometheus_client import CollectorRegistry
 
+from llmgw.config import BoundError, between, positive
 from llmgw.core._admission import Admission, AdmissionConfig, Band, Queued, Reject
 from llmgw.core._breaker import Breaker, BreakerConfig
 from llmgw.core._scoring import EndpointLoad, ScoringConfig, choose
@@ -89,24 +90,24 @@ def _default_bands() -> list[Band]:
 
 def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value is not None and not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{attribute.name} must be a positive number, got {value}")
+        raise BoundError(attribute.name, f"must be > 0 (got {value})")
 
 
 def _non_negative(_: object, attribute: attrs.Attribute[Any], value: int) -> None:
     if value < 0:
-        raise ValueError(f"{attribute.name} must be 0 or more, got {value}")
+        raise BoundError(attribute.name, f"must be ≥ 0 (got {value})")
 
 
 @attrs.define(kw_only=True, frozen=True)
 class RouterConfig:
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
     retries: int = attrs.field(default=2, validator=_non_negative)
-    connect_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    connect_timeout_s: float = attrs.field(default=5.0, validator=positive(300))
     # Request sent -> response head. A non-streamed completion's head comes only
     # once it is generated, so this bounds the longest non-streamed generation.
-    first_byte_timeout_s: float = attrs.field(default=600.0, validator=_positive)
-    idle_timeout_s: float = attrs.field(default=60.0, validator=_positive)
-    scrape_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    first_byte_timeout_s: float = attrs.field(default=600.0, validator=positive(86400))
+    idle_timeout_s: float = attrs.field(default=60.0, validator=positive(3600))
+    scrape_interval_s: float = attrs.field(default=1.0, validator=between(0.1, 300))
     stale_after_intervals: float = attrs.field(default=3.0, validator=_positive)
     unhealthy_after_misses: int = attrs.field(default=3, validator=_positive)
     bands: list[Band] = attrs.field(factory=_default_bands)
@@ -116,9 +117,9 @@ class RouterConfig:
     slots_per_endpoint: int = attrs.field(default=64, validator=_positive)
     affinity_header: str | None = None
     breaker_failures: int = attrs.field(default=5, validator=_positive)
-    breaker_open_s: float = attrs.field(default=10.0, validator=_positive)
-    key_cache_ttl_s: float = attrs.field(default=30.0, validator=_positive)
-    upstream_keepalive_s: float = attrs.field(default=4.0, validator=_positive)
+    breaker_open_s: float = attrs.field(default=10.0, validator=positive(3600))
+    key_cache_ttl_s: float = attrs.field(default=30.0, validator=positive(86400))
+    upstream_keepalive_s: float = attrs.field(default=4.0, validator=positive(3600))
 
     def __attrs_post_init__(self) -> None:
         AdmissionConfig(
@@ -222,6 +223,9 @@ class Router:
         self._models: dict[str, _Model] = {}
         self._known: dict[str, _Model] = {}  # what the source lists now
         self._states: dict[str, EndpointState] = {}
+        # Endpoints that left the source's list with requests still on them: their
+        # counts stay readable (`in_flight`) until the last one ends (a drain waits on it).
+        self._leaving: dict[str, list[EndpointState]] = {}
         self._seen_version: int | None = None
         self._waiters: dict[str, _Waiter] = {}
         self._ids = itertools.count(1)
@@ -275,6 +279,17 @@ class Router:
     def score_config(self) -> ScoringConfig:
         return self._scoring
 
+    def in_flight(self, endpoint_id: str) -> int:
+        """Requests being proxied to this endpoint now, whether or not it is still listed.
+
+        Reads the source first, so a caller that has just taken the endpoint out of
+        the list and then sees 0 knows nothing is, or will be, sent there.
+        """
+        self._maybe_refresh()
+        listed = self._states.get(endpoint_id)
+        gone = self._leaving.get(endpoint_id, ())
+        return (listed.in_flight if listed is not None else 0) + sum(s.in_flight for s in gone)
+
     # --- the fleet's view ------------------------------------------------------------------
 
     def _maybe_refresh(self) -> None:
@@ -298,6 +313,8 @@ class Router:
                 if state is None or _moved(state.endpoint, ep):
                     if state is not None:
                         state.close()
+                        if state.in_flight > 0:
+                            self._leaving.setdefault(ep.endpoint_id, []).append(state)
                     state = EndpointState(
                         ep,
                         Breaker(self._breaker_config, name=ep.endpoint_id),
@@ -314,6 +331,13 @@ class Router:
         for eid, state in self._states.items():
             if eid not in states:
                 state.close()
+                if state.in_flight > 0:
+                    self._leaving.setdefault(eid, []).append(state)
+        self._leaving = {
+            eid: busy
+            for eid, gone in self._leaving.items()
+            if (busy := [s for s in gone if s.in_flight > 0])
+        }
         for name, model in self._models.items():
             if name not in known:
                 model.endpoints = ()

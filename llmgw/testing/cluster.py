@@ -109,6 +109,7 @@ class LocalCluster:
         self.admin_port = free_port()
         self.router_port = free_port()
         self.router_extra: dict[str, Any] = {}
+        self.server_extra: dict[str, Any] = {}  # more server.yaml keys, as they are
         self.heartbeat_interval_s = heartbeat_interval_s
         self.settle_s = settle_s
         self.models: list[dict[str, Any]] = []
@@ -169,6 +170,7 @@ class LocalCluster:
                     "key": str(self.pki / "server.key"),
                 },
                 "models": self.models,
+                **self.server_extra,
             },
         )
 

@@ -1,0 +1,123 @@
+"""Draining a node: replace what runs there first, then let it go quietly.
+
+A pure rule the reconcile plan applies to every live replica with a rank on a
+draining node (one model at a time). Such a replica does not count toward the
+model's wanted replicas, so the plan starts its replacement elsewhere; the
+rule decides what happens to the replica itself:
+
+| state    | when                                                    | routed | stopped |
+|----------|---------------------------------------------------------|--------|---------|
+| draining | the model has too few ready replicas elsewhere          | yes    | no      |
+| retiring | not ready itself (it serves nothing)                    | no     | at once |
+| retiring | ready, on the first pass with enough ready elsewhere    | no     | no      |
+| retiring | later passes, once the router reports none in flight or | no     | yes     |
+|          | the drain timeout has passed since it began retiring    |        |         |
+
+"Enough" is counted per replica: with `wanted` replicas, `ready_elsewhere`
+ready ones off draining nodes and `k` draining ones, `ready_elsewhere + k -
+wanted` of the draining ones may retire, so serving capacity never drops
+below what is wanted while replacements load. The first retiring pass never
+stops: it is what takes the replica out of the router's list (the I/O shell
+refreshes the endpoints from the plan), and only a later reading of the
+router's in-flight count can say that nothing is still being answered there.
+While the control plane looks cut off (the reconcile guard), nothing retires.
+Unknown in-flight counts (no router in this process) wait for the timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import attrs
+
+DRAINING = "its node is draining"
+
+
+@attrs.frozen
+class DrainInput:
+    """What the plan needs to know about draining, from the I/O shell."""
+
+    nodes: Collection[str] = frozenset()  # draining node ids
+    # replica id -> requests the router is proxying to it now; absent or None: unknown
+    in_flight: Mapping[str, int | None] = attrs.field(factory=dict)
+    # replica id -> clock value of the first pass that showed it retiring
+    retiring_since: Mapping[str, float] = attrs.field(factory=dict)
+    timeout_s: float = 300.0
+
+
+@attrs.frozen
+class DrainingReplica:
+    replica_id: str
+    ready: bool  # every rank ready (it may be serving)
+    first_seen: float
+
+
+@attrs.frozen
+class DrainDecision:
+    replica_id: str
+    state: str  # draining | retiring
+    stop: bool
+    reason: str
+
+
+def drain_model(
+    model_name: str,
+    wanted: int,
+    ready_elsewhere: int,
+    replicas: Sequence[DrainingReplica],
+    drain: DrainInput,
+    now: float,
+    *,
+    cut_off: bool = False,
+) -> list[DrainDecision]:
+    """One decision per draining replica of `model_name`, in `replicas`' order."""
+    may_retire = 0 if cut_off else max(0, ready_elsewhere + len(replicas) - wanted)
+
+    def priority(r: DrainingReplica) -> tuple[bool, bool, float, float, str]:
+        # What serves nothing goes first (that keeps the most capacity), then what is
+        # already retiring (a drain walks forward; it does not swap replicas back and
+        # forth), then the oldest.
+        since = drain.retiring_since.get(r.replica_id)
+        return (r.ready, since is None, since or 0.0, r.first_seen, r.replica_id)
+
+    retiring = {r.replica_id for r in sorted(replicas, key=priority)[:may_retire]}
+    out = []
+    for r in replicas:
+        if r.replica_id not in retiring:
+            if cut_off:
+                why = "kept: this control plane looks cut off from most of the fleet"
+            else:
+                why = (
+                    f"kept until its replacement is ready ({model_name} has {ready_elsewhere} "
+                    f"ready replica{'s' if ready_elsewhere != 1 else ''} elsewhere, wants {wanted})"
+                )
+            out.append(DrainDecision(r.replica_id, "draining", False, f"{DRAINING}; {why}"))
+            continue
+        out.append(_retire(r, drain, now))
+    return out
+
+
+def _retire(r: DrainingReplica, drain: DrainInput, now: float) -> DrainDecision:
+    def decide(stop: bool, why: str) -> DrainDecision:
+        return DrainDecision(r.replica_id, "retiring", stop, f"{DRAINING}; {why}")
+
+    since = drain.retiring_since.get(r.replica_id)
+    if not r.ready:
+        return decide(True, "it was not serving, and is replaced")  # nothing can be in flight
+    if since is None:
+        return decide(False, "replaced, so the router sends it nothing new")
+    flying = drain.in_flight.get(r.replica_id)
+    waited = now - since
+    count = "an unknown number of" if flying is None else str(flying)
+    if flying == 0:
+        return decide(True, "replaced, and no request is in flight")
+    if waited >= drain.timeout_s:
+        return decide(
+            True,
+            f"replaced, and the drain timeout of {drain.timeout_s:g} s passed with {count} "
+            "requests still in flight",
+        )
+    return decide(
+        False,
+        f"replaced, waiting for {count} in-flight requests ({waited:.0f} of {drain.timeout_s:g} s)",
+    )

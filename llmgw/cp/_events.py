@@ -1,0 +1,385 @@
+"""Why things happened: recent events per replica and per node, and each replica's last failure.
+
+A failed engine is replaced in about a second, and its shard (logs included)
+is gone from the agent soon after; what an operator needs afterwards is here.
+`EventLog` is fed by the registry (shard reports that say `failed` or
+`unhealthy`, node state changes), by the reconciler (each replica it stops,
+and why) and by whoever meets a stuck command. It keeps bounded rings, per
+replica, per node and overall, so a chatty node cannot push a quiet replica's
+story out, and a fleet of any size holds a bounded amount.
+
+It does no I/O and imports no trio: it is fed with events and reads its time
+from the two clocks it was given (a monotonic one for the retention window,
+the wall clock for what is shown). Reading never changes it: every query
+returns frozen values, and expired failures are dropped only when something
+new is recorded.
+
+A shard's reason is read by one convention, the supervisor's: its first line
+is the summary (`engine (pid 12) was killed by SIGKILL`), and the lines after
+it are the output that explains it (the engine's last stderr/stdout lines).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+
+import attrs
+
+from llmgw import model
+
+# Kinds of event; the admin API and `ctl events` show them as they are.
+SHARD_FAILED = "shard-failed"
+SHARD_UNHEALTHY = "shard-unhealthy"
+REPLICA_STOPPED = "replica-stopped"
+NODE_STATE = "node-state"
+COMMAND_STUCK = "command-stuck"
+
+# Replica states in which the reconciler replaces a replica: a stop for one of
+# these is a failure; a stop because the model left the catalog or has too
+# many replicas is not.
+REPLACED_STATES = frozenset({"failed", "timed-out", "lost", "incomplete", "unhealthy"})
+
+DEFAULT_FAILURE_RETENTION_S = 15 * 60.0
+LAST_LINES = 10  # output lines kept with a failure
+
+
+@attrs.frozen
+class Event:
+    seq: int  # increasing: the order events were recorded in
+    at: float  # wall clock, seconds since the epoch
+    kind: str
+    message: str  # one line
+    node_id: str | None = None
+    replica_id: str | None = None
+    model_name: str | None = None
+    shard_id: str | None = None
+    lines: tuple[str, ...] = ()  # output that explains it (an engine's last lines)
+
+
+@attrs.frozen
+class Failure:
+    """The last failure of a replica: what `ctl replicas` shows under it."""
+
+    at: float  # wall clock
+    kind: str  # the event kind it came from
+    reason: str  # one line
+    lines: tuple[str, ...]
+    node_id: str | None
+    shard_id: str | None
+    replica_id: str
+    model_name: str | None
+
+
+@attrs.frozen
+class _Kept:
+    mono: float  # the monotonic clock when recorded: retention is measured on it
+    failure: Failure
+
+
+def split_reason(reason: str | None) -> tuple[str, tuple[str, ...]]:
+    """A shard's reason as (summary, explaining lines); see the module's docstring."""
+    if not reason or not reason.strip():
+        return "no reason given", ()
+    head, *rest = reason.splitlines()
+    head = head.strip().removesuffix("; last output:").removesuffix(":").strip()
+    lines = tuple(line for line in rest if line.strip())
+    return head or "no reason given", lines[-LAST_LINES:]
+
+
+class _Rings:
+    """Events per key (a replica or a node), each a ring; the least recently used key goes."""
+
+    def __init__(self, per_key: int, keys: int) -> None:
+        self._per_key = per_key
+        self._keys = keys
+        self._rings: OrderedDict[str, deque[Event]] = OrderedDict()
+
+    def add(self, key: str, event: Event) -> None:
+        ring = self._rings.get(key)
+        if ring is None:
+            ring = self._rings[key] = deque(maxlen=self._per_key)
+            while len(self._rings) > self._keys:
+                self._rings.popitem(last=False)
+        else:
+            self._rings.move_to_end(key)
+        ring.append(event)
+
+    def get(self, key: str) -> tuple[Event, ...]:
+        return tuple(self._rings.get(key, ()))
+
+    def __len__(self) -> int:
+        return len(self._rings)
+
+
+class EventLog:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
+        failure_retention_s: float = DEFAULT_FAILURE_RETENTION_S,
+        per_key: int = 50,
+        keys: int = 4096,
+        total: int = 2000,
+    ) -> None:
+        if failure_retention_s <= 0:
+            raise ValueError(f"failure_retention_s must be > 0, got {failure_retention_s!r}")
+        self.failure_retention_s = failure_retention_s
+        self._clock = clock
+        self._wall = wall
+        self._seq = itertools.count(1)
+        self._all: deque[Event] = deque(maxlen=total)
+        self._by_replica = _Rings(per_key, keys)
+        self._by_node = _Rings(per_key, keys)
+        self._failures: OrderedDict[str, _Kept] = OrderedDict()  # replica id -> its last
+        self._by_model: dict[str, deque[_Kept]] = {}  # model -> its last few, oldest first
+        self._keys = keys
+        # (node, shard) -> (state, reason) last recorded: a report repeated on a
+        # registration or a status message is one event, not two.
+        self._shard_seen: OrderedDict[tuple[str, str], tuple[str, str | None]] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"<EventLog {self.statistics()}>"
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "events": len(self._all),
+            "replicas": len(self._by_replica),
+            "nodes": len(self._by_node),
+            "failures": len(self._failures),
+        }
+
+    # feeding ----------------------------------------------------------------------------
+
+    def record(
+        self,
+        kind: str,
+        message: str,
+        *,
+        node_id: str | None = None,
+        replica_id: str | None = None,
+        model_name: str | None = None,
+        shard_id: str | None = None,
+        lines: Iterable[str] = (),
+    ) -> Event:
+        """Any event; the typed helpers below are the usual way in."""
+        event = Event(
+            seq=next(self._seq),
+            at=self._wall(),
+            kind=kind,
+            message=message,
+            node_id=node_id,
+            replica_id=replica_id,
+            model_name=model_name,
+            shard_id=shard_id,
+            lines=tuple(lines),
+        )
+        self._all.append(event)
+        if replica_id is not None:
+            self._by_replica.add(replica_id, event)
+        if node_id is not None:
+            self._by_node.add(node_id, event)
+        return event
+
+    def shard_report(self, node_id: str, shard: model.ShardReport) -> Event | None:
+        """A shard report from an agent; only `failed` and `unhealthy` are events."""
+        key = (node_id, shard.shard_id)
+        if shard.state not in ("failed", "unhealthy"):
+            self._shard_seen.pop(key, None)  # recovered or restarted: a new failure is news
+            return None
+        if self._shard_seen.get(key) == (shard.state, shard.reason):
+            return None
+        self._shard_seen[key] = (shard.state, shard.reason)
+        while len(self._shard_seen) > self._keys:
+            self._shard_seen.popitem(last=False)
+        reason, lines = split_reason(shard.reason)
+        kind = SHARD_FAILED if shard.state == "failed" else SHARD_UNHEALTHY
+        event = self.record(
+            kind,
+            f"shard {shard.shard_id} {shard.state}: {reason}",
+            node_id=node_id,
+            replica_id=shard.replica_id,
+            model_name=shard.model_name,
+            shard_id=shard.shard_id,
+            lines=lines,
+        )
+        if shard.replica_id is not None:
+            self._fail(event, reason, strong=True)
+        return event
+
+    def replica_stopped(
+        self,
+        *,
+        node_id: str,
+        shard_id: str,
+        reason: str,
+        replica_id: str | None,
+        model_name: str | None,
+        state: str | None,
+    ) -> Event:
+        """The reconciler stopped a shard of a replica; `state`: the replica's, when known.
+
+        A stop because the replica failed, timed out, was lost or incomplete is
+        its failure unless a shard already said more (its reason and output).
+        """
+        # The summary only: the output in a stop's reason is the failed shard's,
+        # already on that shard's own event.
+        summary, _ = split_reason(reason)
+        event = self.record(
+            REPLICA_STOPPED,
+            f"stopping shard {shard_id}: {summary}",
+            node_id=node_id,
+            replica_id=replica_id,
+            model_name=model_name,
+            shard_id=shard_id,
+        )
+        if replica_id is not None and state in REPLACED_STATES:
+            self._fail(event, summary, strong=False)
+        return event
+
+    def node_state(
+        self,
+        node_id: str,
+        before: str,
+        after: str,
+        reason: str | None,
+        *,
+        replicas: Iterable[tuple[str, str | None, str]] = (),
+    ) -> Event:
+        """A node changed state; `replicas`: (replica, model, shard) of what it ran.
+
+        A node that went lost takes its replicas with it: that is their failure.
+        """
+        why = f" ({reason})" if reason else ""
+        event = self.record(
+            NODE_STATE, f"node {node_id}: {before} -> {after}{why}", node_id=node_id
+        )
+        if after == "lost":
+            for replica_id, model_name, shard_id in replicas:
+                lost = self.record(
+                    NODE_STATE,
+                    f"replica {replica_id} lost with node {node_id}{why}",
+                    node_id=node_id,
+                    replica_id=replica_id,
+                    model_name=model_name,
+                    shard_id=shard_id,
+                )
+                self._fail(lost, f"node {node_id} is lost{why}", strong=False)
+        return event
+
+    def command_stuck(
+        self,
+        node_id: str,
+        message: str,
+        *,
+        shard_id: str | None = None,
+        replica_id: str | None = None,
+        model_name: str | None = None,
+    ) -> Event:
+        """A command to an agent ran past its deadline ("did not answer startShard in 10 s").
+
+        A start that got stuck is why its replica never ran: its failure.
+        """
+        event = self.record(
+            COMMAND_STUCK,
+            message,
+            node_id=node_id,
+            replica_id=replica_id,
+            model_name=model_name,
+            shard_id=shard_id,
+        )
+        if replica_id is not None:
+            self._fail(event, message, strong=False)
+        return event
+
+    def _fail(self, event: Event, reason: str, *, strong: bool) -> None:
+        assert event.replica_id is not None
+        now = self._clock()
+        self._expire(now)
+        if not strong and event.replica_id in self._failures:
+            return  # the shard's own report said more than the stop that followed it
+        kept = _Kept(
+            now,
+            Failure(
+                at=event.at,
+                kind=event.kind,
+                reason=reason,
+                lines=event.lines,
+                node_id=event.node_id,
+                shard_id=event.shard_id,
+                replica_id=event.replica_id,
+                model_name=event.model_name,
+            ),
+        )
+        self._failures[event.replica_id] = kept
+        self._failures.move_to_end(event.replica_id)
+        while len(self._failures) > self._keys:
+            self._failures.popitem(last=False)
+        if event.model_name is not None:
+            ring = self._by_model.setdefault(event.model_name, deque(maxlen=8))
+            if ring and ring[-1].failure.replica_id == event.replica_id:
+                ring.pop()  # one entry per replica: its latest
+            ring.append(kept)
+
+    def _expire(self, now: float) -> None:
+        for replica_id, kept in list(self._failures.items()):
+            if not self._fresh(kept, now):
+                del self._failures[replica_id]
+        for name, ring in list(self._by_model.items()):
+            while ring and not self._fresh(ring[0], now):
+                ring.popleft()
+            if not ring:
+                del self._by_model[name]
+
+    def _fresh(self, kept: _Kept, now: float) -> bool:
+        return now - kept.mono <= self.failure_retention_s
+
+    # reading ----------------------------------------------------------------------------
+
+    def events(
+        self, *, replica_id: str | None = None, node_id: str | None = None, limit: int = 50
+    ) -> tuple[Event, ...]:
+        """The newest `limit` events, oldest first; both filters given: events matching both."""
+        if replica_id is not None:
+            found: Iterable[Event] = self._by_replica.get(replica_id)
+            if node_id is not None:
+                found = [e for e in found if e.node_id == node_id]
+        elif node_id is not None:
+            found = self._by_node.get(node_id)
+        else:
+            found = self._all
+        out = tuple(found)
+        return out[-limit:] if limit > 0 else ()
+
+    def last_failure(self, replica_id: str) -> Failure | None:
+        """This replica's last failure, within the retention window."""
+        kept = self._failures.get(replica_id)
+        return kept.failure if kept is not None and self._fresh(kept, self._clock()) else None
+
+    def predecessor_failure(
+        self,
+        model_name: str,
+        *,
+        started: float | None,
+        present: Iterable[str],
+        slack_s: float = 5.0,
+    ) -> Failure | None:
+        """Why a replica of `model_name` that started at `started` was needed.
+
+        The newest failure, within the window, of a replica of that model that
+        is no longer `present` and failed before it started (`started` on this
+        log's monotonic clock, the reconciler's; None: any time, for a
+        replacement that could not be placed yet). `slack_s`: a stop is
+        recorded as it is sent, and the reconciler may start the replacement a
+        moment before, in the same pass.
+        """
+        now = self._clock()
+        still = set(present)
+        for kept in reversed(self._by_model.get(model_name, ())):
+            if not self._fresh(kept, now) or kept.failure.replica_id in still:
+                continue
+            if started is None or kept.mono <= started + slack_s:
+                return kept.failure
+        return None

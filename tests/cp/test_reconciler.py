@@ -1,0 +1,350 @@
+"""The reconciler's shell with a real NodeRegistry, fake agents, and trio's MockClock.
+
+Decide, then act: one agent that never answers holds up only its own start;
+starts in flight count; a restarted control plane waits for the nodes it knows;
+GPU usage from heartbeats reaches placement; unhealthy shards are replaced
+after their bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import trio
+import trio.testing
+
+from llmgw import core, model
+from llmgw.cp._catalog import Catalog, parse
+from llmgw.cp._reconciler import Reconciler, node_facts
+from llmgw.cp._registry import NodeRegistry
+from llmgw.errors import DeadlineExceeded
+from llmgw.rpc import PeerInfo
+
+_conn = itertools.count(1)
+
+
+class FakeAgent:
+    """An agent's capability: records what it was told; a stuck one never answers."""
+
+    def __init__(self, node_id: str, *, stuck: bool = False) -> None:
+        self.node_id = node_id
+        self.stuck = stuck
+        self.started: list[model.ShardSpec] = []
+        self.stopped: list[str] = []
+        self.answered = 0
+
+    async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
+        self.started.append(spec)
+        if self.stuck:  # what the real handle does (llmgw/rpc Deadlines)
+            await trio.sleep(10)
+            raise DeadlineExceeded("did not answer startShard in 10 s")
+        self.answered += 1
+        return report(spec)
+
+    async def stop_shard(self, epoch: int, shard_id: str, grace_s: float) -> None:
+        self.stopped.append(shard_id)
+
+    def release(self) -> None:
+        pass
+
+
+def report(spec: model.ShardSpec, state: str = "starting", **kw: Any) -> model.ShardReport:
+    return model.ShardReport(
+        shard_id=spec.shard_id,
+        model=spec.model,
+        engine=spec.engine,
+        state=state,
+        port=spec.port,
+        replica_id=spec.replica_id,
+        model_name=spec.model_name,
+        rank=spec.rank,
+        ranks=spec.ranks,
+        gpus=spec.gpus,
+        profile_fingerprint=spec.profile_fingerprint,
+        **kw,
+    )
+
+
+def catalog(replicas: int) -> Catalog:
+    return parse(
+        {
+            "models": [
+                {
+                    "name": "tiny",
+                    "source": "/models/tiny.gguf",
+                    "replicas": replicas,
+                    "profiles": [{"engine": "llama-server", "gpus_per_node": 0}],
+                }
+            ]
+        },
+        "server.yaml",
+    )
+
+
+async def register(
+    registry: NodeRegistry,
+    node_id: str,
+    agent: FakeAgent | None = None,
+    shards: tuple[model.ShardReport, ...] = (),
+    inventory: model.Inventory | None = None,
+) -> tuple[FakeAgent, PeerInfo, Any]:
+    agent = agent or FakeAgent(node_id)
+    n = next(_conn)
+    peer = PeerInfo(n, f"10.0.0.{n}:5000", node_id, trio.Event())
+    hello = model.Hello(node_id, "test", inventory or model.Inventory(model.Host(node_id)), shards)
+    session, _settings = await registry.register(peer, hello, agent)  # type: ignore[arg-type]
+    return agent, peer, session
+
+
+def make(settle_s: float = 1.0, replicas: int = 3, **kw: Any) -> tuple[NodeRegistry, Reconciler]:
+    registry = NodeRegistry(core.LivenessPolicy(heartbeat_interval_s=1.0, lost_after_s=5.0))
+    reconciler = Reconciler(
+        registry, lambda: catalog(replicas), interval_s=0.5, settle_s=settle_s, **kw
+    )
+    registry.listeners.append(reconciler.poke)
+    return registry, reconciler
+
+
+async def wait_until(what: str, check: Any, timeout: float = 60.0) -> None:
+    with trio.fail_after(timeout):
+        while not check():
+            await trio.sleep(0.05)
+
+
+async def beat(session: Any, seq: int) -> None:
+    await session.heartbeat(model.Heartbeat(seq=seq))
+
+
+# Decide, then act ------------------------------------------------------------------------
+
+
+async def test_a_stuck_agent_holds_up_only_its_own_start(autojump_clock: Any) -> None:
+    registry, reconciler = make(replicas=3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        stuck, _, _ = await register(registry, "a", FakeAgent("a", stuck=True))
+        b, _, sb = await register(registry, "b")
+        c, _, sc = await register(registry, "c")
+        await nursery.start(reconciler.run)
+        t0 = trio.current_time()
+
+        # One pass places a replica on each node (CPU replicas spread); b and c answer
+        # at once although a never does.
+        await wait_until("starts sent", lambda: len(stuck.started) == 1 and b.answered and c.answered)
+        assert trio.current_time() - t0 < 1.5 + 0.5  # the settle, and one pass
+        passes = reconciler.statistics()["passes"]
+
+        # While a's call hangs, passes go on, and a's start counts as pending: no pass
+        # starts the same replica again.
+        for seq in range(1, 9):
+            await trio.sleep(1.0)
+            await beat(sb, seq)
+            await beat(sc, seq)
+        assert trio.current_time() - t0 < 11
+        assert reconciler.statistics()["passes"] >= passes + 8
+        assert (len(stuck.started), len(b.started), len(c.started)) == (1, 1, 1)
+        assert reconciler.statistics()["pending"] == 1
+        row = next(v for v in reconciler.replicas() if v.nodes == ("a",))
+        assert row.state == "starting"
+
+        # At its deadline the call ends, with why; a is left out of placement (it has not
+        # been heard from since), and the replica is started on b or c instead.
+        await wait_until("a's start failed", lambda: reconciler.statistics()["pending"] == 0)
+        failed = [v for v in reconciler.replicas() if v.state == "failed"]
+        assert [(v.nodes, v.reason) for v in failed] == [
+            (("a",), "node a did not answer startShard in 10 s")
+        ]
+        await wait_until("the replacement", lambda: len(b.started) + len(c.started) == 3)
+        assert len(stuck.started) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_start_that_fails_is_not_counted_again(autojump_clock: Any) -> None:
+    class Refusing(FakeAgent):
+        async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
+            from llmgw.errors import RemoteError
+
+            self.started.append(spec)
+            raise RemoteError("engine llama-server is not installed")
+
+    registry, reconciler = make(replicas=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        agent, _, _ = await register(registry, "a", Refusing("a"))
+        await nursery.start(reconciler.run)
+        await wait_until("two attempts", lambda: len(agent.started) >= 2, timeout=10)
+        assert reconciler.statistics()["pending"] == 0
+        reasons = {v.reason for v in reconciler.replicas() if v.state == "failed"}
+        assert "starting rank 0 on a failed: engine llama-server is not installed" in reasons
+        nursery.cancel_scope.cancel()
+
+
+# Settle by who is expected ---------------------------------------------------------------
+
+
+async def test_settle_waits_for_every_known_node_and_a_slow_storm_extends_it(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    (tmp_path / "known_nodes.json").write_text(json.dumps({"nodes": ["a", "b", "c", "d"]}))
+    registry, reconciler = make(settle_s=2.0, replicas=4)
+    registry.load_known(tmp_path / "known_nodes.json")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await nursery.start(reconciler.run)
+        t0 = trio.current_time()
+        agents = []
+        # Each registers 1.5 s after the one before: 6 s in all, three times settle_s,
+        # yet the window stays open until the last known node is back.
+        for i, node in enumerate("abcd"):
+            await trio.sleep(1.5)
+            spec = model.ShardSpec(f"r{i}.0", "/models/tiny.gguf", "llama-server", (),
+                                   replica_id=f"r{i}", model_name="tiny")  # fmt: skip
+            if node != "d":
+                assert reconciler.statistics()["settling"] == 1, node
+            agent, _, _ = await register(registry, node, shards=(report(spec, "ready"),))
+            agents.append(agent)
+        await trio.sleep(0.6)
+        assert reconciler.statistics()["settling"] == 0
+        assert trio.current_time() - t0 < 6.7  # not a clock: the last one settled it
+        passes = reconciler.statistics()["passes"]
+        await wait_until("two passes", lambda: reconciler.statistics()["passes"] >= passes + 2)
+        assert [a.started for a in agents] == [[], [], [], []]
+        assert [a.stopped for a in agents] == [[], [], [], []]
+        nursery.cancel_scope.cancel()
+
+
+async def test_settle_without_the_rest_ends_settle_s_after_the_last_registration(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    (tmp_path / "known_nodes.json").write_text(json.dumps({"nodes": ["a", "b", "gone"]}))
+    registry, reconciler = make(settle_s=2.0, replicas=2)
+    registry.load_known(tmp_path / "known_nodes.json")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await nursery.start(reconciler.run)
+        t0 = trio.current_time()
+        await trio.sleep(1.0)
+        a, _, _ = await register(registry, "a")
+        await trio.sleep(1.5)
+        b, _, _ = await register(registry, "b")
+        await wait_until("settled", lambda: not reconciler.statistics()["settling"])
+        assert 2.5 + 2.0 <= trio.current_time() - t0 <= 2.5 + 2.0 + 0.6
+        # 1 of 3 away is the normal case: the two missing replicas are started.
+        await wait_until("started", lambda: len(a.started) + len(b.started) == 2)
+        nursery.cancel_scope.cancel()
+
+
+async def test_with_no_known_nodes_settle_is_a_clock_from_the_start(autojump_clock: Any) -> None:
+    registry, reconciler = make(settle_s=3.0, replicas=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await nursery.start(reconciler.run)
+        t0 = trio.current_time()
+        a, _, _ = await register(registry, "a")  # every node we know (none) is back: not enough
+        await wait_until("started", lambda: a.started)
+        assert trio.current_time() - t0 >= 3.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_known_nodes_survive_a_restart_and_forgotten_ones_drop_out(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "known_nodes.json"
+    registry = NodeRegistry(core.LivenessPolicy())
+    registry.load_known(path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await register(registry, "a")
+        _, peer_b, _ = await register(registry, "b")
+        await trio.sleep(1.5)  # written on the registry's tick, once for a whole storm
+        assert json.loads(path.read_text()) == {"nodes": ["a", "b"]}
+        peer_b.closed.set()
+        await trio.sleep(0.1)
+        registry.forget("b")
+        await trio.sleep(1.5)
+        nursery.cancel_scope.cancel()
+    again = NodeRegistry(core.LivenessPolicy())
+    again.load_known(path)
+    assert again.known == {"a"}
+
+
+def test_an_unreadable_known_nodes_file_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "known_nodes.json"
+    path.write_text('["a"]')
+    registry = NodeRegistry(core.LivenessPolicy())
+    try:
+        registry.load_known(path)
+    except Exception as exc:
+        assert str(path) in str(exc) and 'expected {"nodes": [node ids]}' in str(exc)
+    else:
+        raise AssertionError("a list where a mapping belongs was accepted")
+
+
+# GPU usage from heartbeats reaches placement ---------------------------------------------
+
+
+async def test_heartbeat_gpu_usage_reaches_placement(autojump_clock: Any) -> None:
+    gpus = tuple(
+        model.Gpu(index=i, uuid=f"GPU-{i}", name="H100", gpu_class="h100-80g",
+                  foreign_memory_mib=0, ecc_uncorrected=0)
+        for i in range(3)
+    )  # fmt: skip
+    registry = NodeRegistry(core.LivenessPolicy())
+    inventory = model.Inventory(model.Host("g"), gpus=gpus)
+    _, _, session = await register(registry, "g", inventory=inventory)
+    rec = registry.record("g")
+    assert rec is not None
+    assert [g.healthy for g in node_facts(rec).gpus or ()] == [True, True, True]
+    usage = model.Usage(
+        gpus=(
+            model.GpuUsage(index=0, memory_used_mib=100),  # foreign not measured: registration's
+            model.GpuUsage(index=1, memory_used_mib=9000, foreign_memory_mib=8000),
+            model.GpuUsage(index=2, foreign_memory_mib=0, ecc_uncorrected=2),
+        )
+    )
+    await session.heartbeat(model.Heartbeat(seq=1, usage=usage))
+    assert [g.healthy for g in node_facts(rec).gpus or ()] == [True, False, False]
+    # And placement refuses the sick cards: a 2-card profile no longer fits.
+    placed = core.place(
+        [node_facts(rec)],
+        core.PlacementProfile("m", "vllm", "h100-80g", 2),
+        core.Allocations(gpus={}, cpu_replicas={}),
+    )
+    assert isinstance(placed, core.Refusal), placed
+
+
+# Unhealthy shards --------------------------------------------------------------------------
+
+
+async def test_an_unhealthy_replica_is_replaced_after_its_bound(autojump_clock: Any) -> None:
+    registry, reconciler = make(settle_s=0.0, replicas=1, unhealthy_replace_s=5.0)
+    spec = model.ShardSpec("r1.0", "/models/tiny.gguf", "llama-server", (), replica_id="r1",
+                           model_name="tiny")  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        agent, _, session = await register(registry, "a", shards=(report(spec, "ready"),))
+        await nursery.start(reconciler.run)
+        await trio.sleep(2.0)
+        sick = report(spec, "unhealthy", reason="GET /health failed 3 times in a row: timed out")
+        await session.shard_status(sick)
+        became = trio.current_time()
+        for seq in range(1, 5):
+            await trio.sleep(1.0)
+            await beat(session, seq)
+        assert agent.stopped == [] and agent.started == []
+        view = next(v for v in reconciler.replicas() if v.replica_id == "r1")
+        assert view.state == "unhealthy" and "timed out" in (view.reason or "")
+        await wait_until("stopped", lambda: agent.stopped == ["r1.0"], timeout=10)
+        assert 5.0 <= trio.current_time() - became <= 6.0
+        await wait_until("replaced", lambda: len(agent.started) == 1, timeout=10)
+        nursery.cancel_scope.cancel()
+
+
+def test_statistics_names_passes_for_tests_to_wait_on() -> None:
+    _, reconciler = make()
+    stats = reconciler.statistics()
+    assert {"passes", "settling", "holding", "pending"} <= stats.keys()
+    assert stats["passes"] == 0 and stats["settling"] == 1

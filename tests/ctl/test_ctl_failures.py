@@ -1,0 +1,40 @@
+"""How `ctl replicas` prints a last failure under its replica."""
+
+from __future__ import annotations
+
+from llmgw.ctl._main import _table, _with_notes, format_failure
+
+FAILURE = {
+    "at": 1000.0,
+    "kind": "shard-failed",
+    "reason": "engine (pid 7) was killed by SIGKILL",
+    "lines": [f"[stdout] line {i}" for i in range(8)],
+    "node_id": "cpu-1",
+    "shard_id": "tiny-aaaaaa.0",
+    "replica_id": "tiny-aaaaaa",
+    "model_name": "tiny",
+}
+
+
+def test_a_replacement_names_its_predecessor_and_the_last_lines() -> None:
+    lines = format_failure(FAILURE, "tiny-bbbbbb", now=1042.0, lines=3)
+    assert lines == [
+        "  replaces tiny-aaaaaa, failed 42s ago on cpu-1 (shard tiny-aaaaaa.0): "
+        "engine (pid 7) was killed by SIGKILL",
+        "      [stdout] line 5",
+        "      [stdout] line 6",
+        "      [stdout] line 7",
+    ]
+
+
+def test_its_own_failure_and_no_lines() -> None:
+    lines = format_failure({**FAILURE, "node_id": None}, "tiny-aaaaaa", now=1000.0 + 600, lines=0)
+    assert lines == [
+        "  last failure 10m ago (shard tiny-aaaaaa.0): engine (pid 7) was killed by SIGKILL"
+    ]
+
+
+def test_notes_go_under_their_row() -> None:
+    table = _table(("A", "B"), [("x", "1"), ("y", "2")])
+    out = _with_notes(table, {0: ["  note for x"]}).splitlines()
+    assert out == ["A  B", "x  1", "  note for x", "y  2"]
