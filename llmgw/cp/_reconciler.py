@@ -192,8 +192,10 @@ class Reconciler:
             if rec.liveness.state is core.NodeState.READY
         }
         seen = {s.replica_id for s in shards if s.replica_id}
-        for replica_id in seen:
-            self._first_seen.setdefault(replica_id, now)
+        # Only replicas still reported or in flight: the map must not grow for ever.
+        self._first_seen = {
+            r: self._first_seen.get(r, now) for r in seen | self._pending.keys()
+        }
         # A start in flight counts until its replica is reported, not twice after.
         pending: dict[str, int] = {}
         for replica_id, p in self._pending.items():
@@ -561,9 +563,6 @@ class Reconciler:
 
     def unplaced(self) -> list[Unplaced]:
         return list(self._unplaced.values())
-
-    def first_seen(self, replica_id: str) -> float | None:
-        return self._first_seen.get(replica_id)
 
 
 def placement_profile(m: CatalogModel, p: Profile) -> placement.PlacementProfile:
