@@ -1,5 +1,8 @@
 """Fuzz targets for every parser of outside input: each must parse or raise ParseError.
 
+(`http_request`, the router's HTTP/1.1 request parser, has its own property: see
+`_http_request`; it never raises, it refuses with a status.)
+
 Seeds are samples the parser must read (error outputs are tested elsewhere).
 Each target is fed the real samples in tests/data whole, cut at every
 length (the way h11's fuzz/afl-server.py feeds a connection byte by byte), and
@@ -27,6 +30,7 @@ from hypothesis import strategies as st
 
 from llmgw.agent import discovery as d
 from llmgw.errors import ParseError
+from llmgw.router._http1 import END, Failure, Head, RequestParser
 
 # The recorded samples live in the repository (tests/data/INDEX.md names their sources).
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "data"
@@ -58,6 +62,71 @@ def _gpu_csv_noheader(text: str) -> object:
 def _smi_csv_fields(text: str) -> object:
     # The noheader sample's query: memory.total,memory.free,... (7 fields).
     return d.parse_smi_csv(text, [f"field{i}" for i in range(7)])
+
+
+def _http_events(parser: RequestParser) -> list[object]:
+    """The parser's events with each message's body joined (pieces follow the reads)."""
+    out: list[object] = []
+    body: list[bytes] = []
+    for event in parser.events:
+        if type(event) is bytes:
+            body.append(event)
+            continue
+        if body:
+            out.append(b"".join(body))
+            body = []
+        out.append(event.status if type(event) is Failure else event)
+    if body:
+        out.append(b"".join(body))
+    return out
+
+
+def _http_request(text: str) -> object:
+    """The router's request parser (llmgw/router/_http1.py), fed whole and byte by byte.
+
+    Invariants: the same requests and the same refusal either way; a refusal is a
+    4xx (or 505) and the last event, so nothing after a framing error is ever
+    served on that connection; a body is only ever inside a request.
+    """
+    data = text.encode("latin-1", "replace")
+    whole = RequestParser()
+    whole.feed(data)
+    split = RequestParser()
+    for i in range(len(data)):
+        split.feed(data[i : i + 1])
+    events = _http_events(whole)
+    assert events == _http_events(split), (data, events, _http_events(split))
+    in_message = False
+    for i, event in enumerate(events):
+        if type(event) is int:
+            assert 400 <= event < 500 or event == 505, event
+            assert i == len(events) - 1, events
+        elif type(event) is Head:
+            assert not in_message, events
+            in_message = True
+        elif event is END:
+            assert in_message, events
+            in_message = False
+        else:
+            assert type(event) is bytes and in_message, events
+    return events
+
+
+_CHAT = b'{"model":"chat","messages":[{"role":"user","content":"hi"}]}'
+_HTTP_SEEDS = tuple(
+    s.decode("latin-1")
+    for s in (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nAuthorization: Bearer k\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(_CHAT) + _CHAT,
+        b"GET /v1/models HTTP/1.1\r\nHost: r\r\n\r\nGET /healthz HTTP/1.1\r\nHost: r\r\n\r\n",
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n3;x=y\r\nabc\r\n0\r\nTrailer: v\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: r\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"0\r\n\r\nGET /healthz HTTP/1.1\r\nHost: r\r\n\r\n",
+        b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\nHEAD /healthz HTTP/1.1\r\nHost: r\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: r\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n{}",
+    )
+)
 
 
 TARGETS: dict[str, Target] = {
@@ -97,6 +166,7 @@ TARGETS: dict[str, Target] = {
         Target("proc_stat", d.parse_proc_stat, ("cpu  10 0 5 800 3 0 1 0 0 0\ncpu0 1 2 3 4\n",)),
         Target("mountinfo", d.parse_mountinfo, _fixtures("mounts-nfs-*")),
         Target("mount_output", d.parse_mount_output, _fixtures("mounts-lustre-*")),
+        Target("http_request", _http_request, _HTTP_SEEDS),
     )
 }
 

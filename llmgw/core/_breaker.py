@@ -6,6 +6,17 @@ client left before the endpoint answered, `cancel(now)`. Every allowed request
 must end in exactly one of these three; "success" and "failure" are about the
 endpoint (did it answer, up to the first byte), not about the client.
 
+A request that was answered may still fail later, in its body (the engine
+hangs mid-stream, or cuts the connection): the router reports that as
+`broken(now)`, and a body read to its end as `complete(now)`. These are a kind
+of their own, with their own count: consecutive broken bodies, reset only by a
+complete one (not by a success, which every such request also had at its
+head). An engine that answers at once and then always hangs mid-stream
+would otherwise look healthy for ever. The count is not reset when the
+breaker opens either, so once a probe has closed it again, the next broken
+body re-opens it at once: until it completes a body, such an engine gets the
+probe and what is sent before that probe's body breaks, not a full share.
+
 To *choose* an endpoint, read `would_allow(now)` (no side effects) for every
 candidate, then call `allow(now)` only on the one chosen: in half_open,
 `allow` hands out the single probe, and asking every candidate would spend
@@ -24,6 +35,8 @@ the table is invalid and raises.
 | FAILURE       | closed          | open             | open               |
 | TRIP          | open            | -                | -                  |
 | CANCEL        | closed          | open             | open               |
+| BROKEN        | closed          | open             | open               |
+| COMPLETE      | closed          | open             | half_open          |
 
 - ALLOW: `allow()` when no other row applies.
 - COOLDOWN_OVER: `allow()` in open once `open_s` has passed since it opened:
@@ -42,6 +55,11 @@ the table is invalid and raises.
 - CANCEL in half_open: the probe ended with no verdict. The breaker goes back
   to open with its cooldown already served, so the next `allow()` sends a
   new probe at once.
+- BROKEN: `broken()` when it is not a TRIP; the `failure_threshold`-th
+  consecutive broken body in closed is TRIP. In half_open it re-opens (the
+  timer restarts), as a FAILURE does; in open it is a late outcome, ignored.
+- COMPLETE: `complete()`; it resets the broken count and changes no state
+  (in half_open the probe's own verdict, at its head, decides).
 """
 
 from __future__ import annotations
@@ -67,6 +85,8 @@ class BreakerEvent(enum.StrEnum):
     FAILURE = "failure"
     TRIP = "trip"
     CANCEL = "cancel"
+    BROKEN = "broken"
+    COMPLETE = "complete"
 
 
 _S = BreakerState
@@ -89,6 +109,12 @@ TRANSITIONS: dict[tuple[BreakerState, BreakerEvent], tuple[BreakerState, bool | 
     (_S.HALF_OPEN, _E.SUCCESS): (_S.CLOSED, None),
     (_S.HALF_OPEN, _E.FAILURE): (_S.OPEN, None),
     (_S.HALF_OPEN, _E.CANCEL): (_S.OPEN, None),
+    (_S.CLOSED, _E.BROKEN): (_S.CLOSED, None),
+    (_S.OPEN, _E.BROKEN): (_S.OPEN, None),
+    (_S.HALF_OPEN, _E.BROKEN): (_S.OPEN, None),
+    (_S.CLOSED, _E.COMPLETE): (_S.CLOSED, None),
+    (_S.OPEN, _E.COMPLETE): (_S.OPEN, None),
+    (_S.HALF_OPEN, _E.COMPLETE): (_S.HALF_OPEN, None),
 }
 
 
@@ -133,11 +159,13 @@ class Breaker:
         self._state = BreakerState.CLOSED
         self._since: float | None = None  # clock value of the last state change
         self._consecutive_failures = 0
+        self._consecutive_broken = 0
         self._opened_at = -math.inf  # start of the current cooldown
         self._probe_sent_at = -math.inf
         self._opened_total = 0
         self._probes_total = 0
         self._refused_total = 0
+        self._broken_total = 0
 
     @property
     def state(self) -> BreakerState:
@@ -146,6 +174,10 @@ class Breaker:
     @property
     def consecutive_failures(self) -> int:
         return self._consecutive_failures
+
+    @property
+    def consecutive_broken(self) -> int:
+        return self._consecutive_broken
 
     def would_allow(self, now: float) -> bool:
         """What `allow(now)` would answer, without taking the probe."""
@@ -181,13 +213,36 @@ class Breaker:
         self._apply(event, now)
         if before is BreakerState.CLOSED:
             self._consecutive_failures += 1
-        if before is not BreakerState.OPEN and self._state is BreakerState.OPEN:
-            self._opened_at = now
-            self._opened_total += 1
+        self._note_opening(before, now)
 
     def cancel(self, now: float) -> None:
         """An allowed request ended with no verdict on the endpoint (the client left first)."""
         self._apply(BreakerEvent.CANCEL, now)
+
+    def broken(self, now: float) -> None:
+        """A request the endpoint had answered failed in its body (hung, cut, not HTTP)."""
+        if (
+            self._state is BreakerState.CLOSED
+            and self._consecutive_broken + 1 >= self.config.failure_threshold
+        ):
+            event = BreakerEvent.TRIP
+        else:
+            event = BreakerEvent.BROKEN
+        before = self._state
+        self._apply(event, now)
+        self._consecutive_broken += 1
+        self._broken_total += 1
+        self._note_opening(before, now)
+
+    def complete(self, now: float) -> None:
+        """A request's body was read to its end."""
+        self._apply(BreakerEvent.COMPLETE, now)
+        self._consecutive_broken = 0
+
+    def _note_opening(self, before: BreakerState, now: float) -> None:
+        if before is not BreakerState.OPEN and self._state is BreakerState.OPEN:
+            self._opened_at = now
+            self._opened_total += 1
 
     def statistics(self) -> dict[str, Any]:
         return {
@@ -196,6 +251,8 @@ class Breaker:
             "since": self._since,
             "consecutive_failures": self._consecutive_failures,
             "failure_threshold": self.config.failure_threshold,
+            "consecutive_broken": self._consecutive_broken,
+            "broken_total": self._broken_total,
             "opened_total": self._opened_total,
             "probes_total": self._probes_total,
             "refused_total": self._refused_total,

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import hypercorn.config
@@ -21,7 +22,7 @@ from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
 from llmgw.errors import ConfigError
-from llmgw.router import Router, RouterConfig, SqliteKeyStore, serve_http
+from llmgw.router import Router, RouterConfig, SqliteKeyStore, listener_limits, serve_http
 from llmgw.rpc import CapnpThread, Deadlines, HandshakeLimits, _tls
 
 log = logging.getLogger("llmgw.cp")
@@ -120,7 +121,8 @@ async def serve(
             # The lean HTTP/1.1 server, not hypercorn: profiled, hypercorn was
             # 45% of the router's CPU (llmgw/router/_server.py says more).
             host, port = config.split_host_port(cfg.router_listen)
-            bound = await nursery.start(serve_http, router.app, host, port)
+            limits = listener_limits(router.config)
+            bound = await nursery.start(partial(serve_http, limits=limits), router.app, host, port)
             log.info("router: OpenAI API on http://%s:%d/v1", host, bound)
         log.info(
             "control plane ready: agents on %s:%d, admin API on http://%s",

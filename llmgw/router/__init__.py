@@ -9,7 +9,9 @@ not hypercorn); `python -m llmgw.router` is router-only mode.
 """
 
 from llmgw.router._keys import ApiKey, CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
+from llmgw.router._main import listener_limits
 from llmgw.router._router import DEFAULT_BANDS, PRIORITY_HEADER, Router, RouterConfig
+from llmgw.router._server import Limits as ListenerLimits
 from llmgw.router._server import serve as serve_http
 from llmgw.router._types import Endpoint, EndpointSource, StaticEndpoints
 
@@ -21,10 +23,12 @@ __all__ = [
     "Endpoint",
     "EndpointSource",
     "KeyStore",
+    "ListenerLimits",
     "Router",
     "RouterConfig",
     "SqliteKeyStore",
     "StaticEndpoints",
     "StaticKeys",
+    "listener_limits",
     "serve_http",
 ]

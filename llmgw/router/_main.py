@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -38,7 +39,8 @@ from ruamel.yaml.error import YAMLError
 from llmgw import config
 from llmgw._process import run_service, setup_logging
 from llmgw.errors import ConfigError, LlmgwError
-from llmgw.router import _server
+from llmgw.router import _hypercorn as _hc
+from llmgw.router import _request_id, _server
 from llmgw.router._keys import ApiKey, CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
 from llmgw.router._router import Router, RouterConfig
 from llmgw.router._types import Endpoint, StaticEndpoints
@@ -213,7 +215,12 @@ def metrics_app(router: Router) -> Callable[[Scope, Receive, Send], Awaitable[No
                     return
         if scope["type"] != "http":
             return
-        if scope["path"] == "/metrics":
+        rid = _request_id.new().encode()
+        common = [(_request_id.HEADER, rid), (_request_id.OWN_HEADER, rid)]
+        if scope["method"] not in ("GET", "HEAD"):  # (HEAD: the server sends the head only)
+            body, ctype, status = b"only GET and HEAD are served here\n", "text/plain", 405
+            common.append((b"allow", b"GET, HEAD"))
+        elif scope["path"] == "/metrics":
             body, ctype = generate_latest(router.metrics_registry), CONTENT_TYPE_LATEST
             status = 200
         elif scope["path"] == "/healthz":
@@ -227,6 +234,7 @@ def metrics_app(router: Router) -> Callable[[Scope, Receive, Send], Awaitable[No
                 "headers": [
                     (b"content-type", ctype.encode()),
                     (b"content-length", b"%d" % len(body)),
+                    *common,
                 ],
             }
         )
@@ -235,16 +243,23 @@ def metrics_app(router: Router) -> Callable[[Scope, Receive, Send], Awaitable[No
     return app
 
 
-def _hypercorn(bind: str) -> hypercorn.config.Config:
-    hc = hypercorn.config.Config()
-    hc.bind = [bind]
-    hc.accesslog = None
-    hc.graceful_timeout = 1.0
-    hc.keep_alive_timeout = 75.0  # longer than common client pools keep idle connections
-    # hypercorn closes a connection after 1,000 requests by default: a needless reconnect
-    # (and a lost request for clients that pipeline) at thousands of requests per second.
-    hc.keep_alive_max_requests = 1_000_000
-    return hc
+def listener_limits(cfg: RouterConfig) -> _server.Limits:
+    """The client-side bounds of the router's listener, from the router's config."""
+    return _server.Limits(
+        head_timeout_s=cfg.client_head_timeout_s,
+        body_timeout_s=cfg.client_body_timeout_s,
+        send_timeout_s=cfg.idle_timeout_s,
+        keepalive_s=cfg.client_keepalive_s,
+        max_head_bytes=cfg.max_head_bytes,
+        # An early answer (413) waits for this much more of the body at most.
+        discard_bytes=max(cfg.max_body_bytes, 64 << 20),
+    )
+
+
+def _hypercorn(bind: str, cfg: RouterConfig) -> hypercorn.config.Config:
+    # keep_alive_timeout (75 s by default) is longer than common client pools keep
+    # idle connections.
+    return _hc.config(bind, listener_limits(cfg))
 
 
 async def serve(
@@ -265,11 +280,16 @@ async def serve(
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(router.run)
+            limits = listener_limits(router_cfg)
             if file_cfg.server == "hypercorn":
-                await nursery.start(hypercorn.trio.serve, router.app, _hypercorn(file_cfg.listen))
+                await nursery.start(
+                    hypercorn.trio.serve,
+                    _hc.guard(router.app, limits),
+                    _hypercorn(file_cfg.listen, router_cfg),
+                )
             else:
                 host, port = config.split_host_port(file_cfg.listen)
-                await nursery.start(_server.serve, router.app, host, port)
+                await nursery.start(partial(_server.serve, limits=limits), router.app, host, port)
             if file_cfg.metrics_listen:
                 host, port = config.split_host_port(file_cfg.metrics_listen)
                 await nursery.start(_server.serve, metrics_app(router), host, port)

@@ -106,8 +106,9 @@ class RouterMetrics:
         )
         self.failures = Counter(
             "llmgw_router_upstream_failures",
-            "Failed attempts at an endpoint, by phase (connect, first_byte, idle, protocol, "
-            "status: a 5xx answer)",
+            "Failed attempts at an endpoint, by phase: connect; protocol (not HTTP, or closed "
+            "before the head); first_byte (no head in time); status (a 5xx answer); idle "
+            "(nothing for idle_timeout_s after the head); mid_body (cut or not HTTP after it)",
             ["model", "endpoint", "phase"],
             registry=registry,
         )

@@ -23,6 +23,7 @@ import math
 import random
 import re
 import time
+from array import array
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -34,10 +35,11 @@ from llmgw.config import BoundError, between, positive
 from llmgw.core._admission import Admission, AdmissionConfig, Band, Queued, Reject
 from llmgw.core._breaker import Breaker, BreakerConfig
 from llmgw.core._scoring import EndpointLoad, ScoringConfig, choose
-from llmgw.router import _server
+from llmgw.router import _request_id, _server, _surface
 from llmgw.router._keys import ApiKey, CachedKeys, KeyStore
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._scraper import EndpointState, Scraper
+from llmgw.router._surface import HttpError, Route
 from llmgw.router._types import Endpoint, EndpointSource
 from llmgw.router._upstream import (
     ConnectFailed,
@@ -46,6 +48,15 @@ from llmgw.router._upstream import (
     UpstreamError,
     UpstreamTimeout,
 )
+
+# JSON strings, skipped when measuring nesting (brackets inside them do not nest).
+# Possessive, so an unterminated string costs one pass, not a backtracking search.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_NESTING = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+# Above this the C decoder may meet the interpreter's recursion limit, whose
+# headroom depends on how deep the serving task's stack already is.
+MAX_JSON_DEPTH = 512
 
 log = logging.getLogger("llmgw.router")
 
@@ -71,15 +82,8 @@ _HOP_HEADERS = frozenset(
     }
 )
 
-_ROUTES: dict[str, tuple[str, str]] = {
-    # path -> (kind, the field a request must carry besides "model")
-    "/v1/chat/completions": ("chat", "messages"),
-    "/v1/completions": ("completion", "prompt"),
-    "/v1/embeddings": ("embedding", "input"),
-}
+_MODEL_PREFIX = "/v1/models/"
 
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 DEFAULT_BANDS = (Band("interactive", 0, 30.0), Band("batch", 1, 120.0))
 
@@ -101,6 +105,9 @@ def _non_negative(_: object, attribute: attrs.Attribute[Any], value: int) -> Non
 @attrs.define(kw_only=True, frozen=True)
 class RouterConfig:
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
+    # Nesting of arrays and objects a request body may have (400 beyond it), checked
+    # before the body is parsed; a tool's JSON schema nests a dozen levels or so.
+    max_json_depth: int = attrs.field(default=128, validator=between(1, MAX_JSON_DEPTH))
     retries: int = attrs.field(default=2, validator=_non_negative)
     connect_timeout_s: float = attrs.field(default=5.0, validator=positive(300))
     # Request sent -> response head. A non-streamed completion's head comes only
@@ -120,6 +127,12 @@ class RouterConfig:
     breaker_open_s: float = attrs.field(default=10.0, validator=positive(3600))
     key_cache_ttl_s: float = attrs.field(default=30.0, validator=positive(86400))
     upstream_keepalive_s: float = attrs.field(default=4.0, validator=positive(3600))
+    # The client side of the router's listener (llmgw/router/_server.py); each write to
+    # a client is bounded by idle_timeout_s (a client that stops reading is cut).
+    client_head_timeout_s: float = attrs.field(default=60.0, validator=positive(3600))
+    client_body_timeout_s: float = attrs.field(default=60.0, validator=positive(86400))
+    client_keepalive_s: float = attrs.field(default=75.0, validator=positive(3600))
+    max_head_bytes: int = attrs.field(default=32768, validator=between(1024, 1 << 20))
 
     def __attrs_post_init__(self) -> None:
         AdmissionConfig(
@@ -131,25 +144,6 @@ class RouterConfig:
 
 class _ClientGone(Exception):
     """The client closed its connection before its request was read."""
-
-
-class HttpError(Exception):
-    """Answer the client with this status, in OpenAI's error shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str,
-        code: str,
-        headers: tuple[tuple[bytes, bytes], ...] = (),
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.type = type
-        self.code = code
-        self.headers = headers
 
 
 class _Model:
@@ -175,9 +169,21 @@ class _Waiter:
 class _Exchange:
     """Per-request bookkeeping the cleanup path reads."""
 
-    __slots__ = ("band", "client_gone", "complete", "model", "responded", "status", "ttft")
+    __slots__ = (
+        "band",
+        "client_gone",
+        "complete",
+        "content_type",
+        "errors",
+        "model",
+        "responded",
+        "status",
+        "ttft",
+    )
 
     def __init__(self) -> None:
+        self.content_type = _surface.JSON_CONTENT_TYPE  # what the engine is sent
+        self.errors: _surface.ErrorShape = "openai"  # the route's error shape
         self.complete = False  # the last byte is being sent: a disconnect now is no news
         self.model = ""
         self.band = ""
@@ -235,6 +241,7 @@ class Router:
             lambda: list(self._states.values()),
             interval_s=config.scrape_interval_s,
             unhealthy_after=config.unhealthy_after_misses,
+            on_slots=self._slots_changed,
         )
         self.refresh()
 
@@ -346,6 +353,13 @@ class Router:
         self._known = known
         log.debug("endpoints now: %s", {n: len(m.endpoints) for n, m in known.items()})
 
+    def _slots_changed(self, state: EndpointState) -> None:
+        """The engine reported how many requests it runs at once: admission follows."""
+        now = trio.current_time()
+        for model in self._known.values():
+            if state in model.endpoints:
+                self._wake(model.admission.set_concurrency(self._concurrency(model), now))
+
     def _concurrency(self, model: _Model) -> int:
         if not model.endpoints:
             return 0
@@ -394,23 +408,33 @@ class Router:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         method = scope["method"]
-        route = _ROUTES.get(path)
+        if method == "HEAD":  # answered as GET; the server sends the head only
+            method = "GET"
+        rid = _request_id.new()
+        send = _request_id.tagged(send, rid)
+        rid_token = _request_id.CURRENT.set(rid)
+        route = _surface.ROUTES.get(path)
         ex = _Exchange()
+        if route is not None:
+            ex.errors = route.errors
         start = time.perf_counter()
         try:
             if route is not None and method == "POST":
                 await self._inference(scope, receive, send, route, ex)
             elif path == "/v1/models" and method == "GET":
                 await self._list_models(scope, send, ex)
+            elif path.startswith(_MODEL_PREFIX) and method == "GET":
+                await self._get_model(scope, send, ex, path[len(_MODEL_PREFIX) :])
             elif path in ("/health", "/healthz") and method == "GET":
                 ex.status = 200
                 await _json(send, 200, {"status": "ok"})
-            elif route is not None or path == "/v1/models":
+            elif route is not None or path == "/v1/models" or path.startswith(_MODEL_PREFIX):
                 raise HttpError(
                     405,
-                    f"{method} is not allowed on {path}",
+                    f"{scope['method']} is not allowed on {path}",
                     type="invalid_request_error",
                     code="method_not_allowed",
+                    headers=((b"allow", b"POST" if route is not None else b"GET, HEAD"),),
                 )
             else:
                 raise HttpError(
@@ -422,7 +446,7 @@ class Router:
         except HttpError as exc:
             ex.status = exc.status
             if not ex.responded:
-                await _error(send, exc)
+                await _error(send, exc, ex.errors)
         except _ClientGone:
             ex.status = 499
         finally:
@@ -430,6 +454,7 @@ class Router:
                 ex.status = 499  # nginx's "client closed request": the client left first
             if route is not None or ex.status:
                 self.metrics.finished(ex, time.perf_counter() - start)
+            _request_id.CURRENT.reset(rid_token)
 
     async def _list_models(self, scope: Scope, send: Send, ex: _Exchange) -> None:
         key = await self._authenticate(scope)
@@ -442,18 +467,31 @@ class Router:
         ex.status = 200
         await _json(send, 200, {"object": "list", "data": data})
 
+    async def _get_model(self, scope: Scope, send: Send, ex: _Exchange, name: str) -> None:
+        """OpenAI's `GET /v1/models/{model}`: a model GET /v1/models lists, else 404.
+
+        A served name may hold slashes (`org/model`): the rest of the path is the name.
+        """
+        key = await self._authenticate(scope)
+        model = self.models().get(name)
+        if model is None or not key.may_use(name) or not any(s.healthy for s in model.endpoints):
+            # 404, not 403, for a name the key may not use: no telling it the name exists.
+            raise HttpError(
+                404,
+                f"the model {name!r} does not exist or is not available to this key "
+                "(see GET /v1/models)",
+                type="invalid_request_error",
+                code="model_not_found",
+            )
+        ex.status = 200
+        await _json(send, 200, {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"})
+
     async def _authenticate(self, scope: Scope) -> ApiKey:
-        token = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, rest = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    token = rest.strip().decode("latin-1")
-                break
+        token = _surface.api_key(scope["headers"])
         if not token:
             raise HttpError(
                 401,
-                "an API key is needed: Authorization: Bearer <key>",
+                "an API key is needed: Authorization: Bearer <key> (or x-api-key: <key>)",
                 type="authentication_error",
                 code="missing_api_key",
             )
@@ -493,10 +531,19 @@ class Router:
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _parse(self, body: bytes, required: str) -> tuple[dict[str, Any], str]:
+    def _parse(self, body: bytes, required: str | None) -> tuple[dict[str, Any], str]:
+        limit = self.config.max_json_depth
+        if _nests_deeper(body, limit):
+            raise HttpError(
+                400,
+                f"the request body nests arrays and objects more than {limit} levels deep "
+                "(the router's max_json_depth)",
+                type="invalid_request_error",
+                code="invalid_json",
+            )
         try:
             request = json.loads(body)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise HttpError(
                 400,
                 f"the request body is not JSON: {exc}",
@@ -518,7 +565,7 @@ class Router:
                 type="invalid_request_error",
                 code="missing_field",
             )
-        if required not in request:
+        if required is not None and required not in request:
             raise HttpError(
                 400,
                 f"{required}: required",
@@ -561,12 +608,19 @@ class Router:
         scope: Scope,
         receive: Receive,
         send: Send,
-        route: tuple[str, str],
+        route: Route,
         ex: _Exchange,
     ) -> None:
         key = await self._authenticate(scope)
         body = await self._read_body(scope, receive)
-        request, name = self._parse(body, route[1])
+        if route.body == "form":
+            content_type = _header(scope, b"content-type")
+            name, stream = _surface.form_model(body, content_type)
+            # With its boundary: the body goes on unchanged (form_model refuses no content type).
+            ex.content_type = content_type or ex.content_type
+        else:
+            request, name = self._parse(body, route.required)
+            stream = request.get("stream") is True
         model = self.models().get(name)
         if model is None:
             raise HttpError(
@@ -587,7 +641,6 @@ class Router:
         ex.band = band.name
         if not model.endpoints:
             raise _no_replica(name)
-        stream = request.get("stream") is True
         affinity = None
         if self._affinity is not None:
             for hname, value in scope["headers"]:
@@ -740,20 +793,20 @@ class Router:
                         b"POST",
                         path.encode(),
                         body,
-                        headers=((b"content-type", b"application/json"),),
+                        headers=((b"content-type", ex.content_type),),
                         timeouts=self._timeouts,
                     )
                 except UpstreamError as exc:
                     breaker.failure(trio.current_time())
                     verdict = True
-                    self.metrics.upstream_failure(model.name, eid, exc.phase)
-                    log.info("request to %s failed (%s): %s", eid, exc.phase, exc)
-                    last = _upstream_error(model.name, exc)
-                    if exc.before_response:
-                        continue
-                    raise last from None
+                    # Nothing has reached the client, whatever reached us (a reply that
+                    # is not HTTP, a head cut short): another endpoint may answer.
+                    last = self._failed(model.name, eid, exc)
+                    continue
                 try:
-                    if resp.status >= 500:
+                    # 501: the engine does not serve this route (llama.cpp's rerank without
+                    # --reranking): its own answer, like a 404, not a failure of the engine.
+                    if resp.status >= 500 and resp.status != 501:
                         breaker.failure(trio.current_time())
                         verdict = True
                         self.metrics.upstream_failure(model.name, eid, "status")
@@ -765,10 +818,12 @@ class Router:
                     else:
                         breaker.success(trio.current_time())
                         verdict = True
-                    await self._relay(resp, stream, send, ex, start)
+                    failed = await self._relay(resp, stream, send, ex, start, state)
                 finally:
                     resp.close()
-                return
+                if failed is None:
+                    return
+                last = failed  # a whole answer broke before any of it was sent: try another
             finally:
                 state.in_flight -= 1
                 if not verdict:
@@ -777,9 +832,25 @@ class Router:
             raise last
         raise _no_replica(model.name, reachable=bool(model.endpoints))
 
+    def _failed(self, model: str, eid: str, exc: UpstreamError) -> HttpError:
+        self.metrics.upstream_failure(model, eid, exc.phase)
+        log.info("request to %s failed (%s): %s", eid, exc.phase, exc)
+        return _upstream_error(model, exc)
+
     async def _relay(
-        self, resp: Response, stream: bool, send: Send, ex: _Exchange, start: float
-    ) -> None:
+        self,
+        resp: Response,
+        stream: bool,
+        send: Send,
+        ex: _Exchange,
+        start: float,
+        state: EndpointState,
+    ) -> HttpError | None:
+        """Pass the answer on; the error to retry with when it broke before any byte was sent.
+
+        How the body went is the breaker's too (`broken` or `complete`), counted
+        apart from the head's verdict: an engine that answers and then hangs.
+        """
         headers = [(k, v) for k, v in resp.headers if k not in _HOP_HEADERS]
         ex.status = resp.status
         if not stream or resp.header(b"content-length") is not None:
@@ -787,18 +858,20 @@ class Router:
             try:
                 data = await resp.read()
             except UpstreamError as exc:
-                raise _upstream_error(ex.model, exc) from None
+                state.breaker.broken(trio.current_time())
+                return self._failed(ex.model, state.endpoint.endpoint_id, exc)
+            state.breaker.complete(trio.current_time())
             if resp.status == 200:
                 self._count_usage(ex.model, data)
             ex.responded = True
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             ex.complete = True
             await send({"type": "http.response.body", "body": data})
-            return
+            return None
         ex.responded = True
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         first = True
-        usage_seen = False
+        tally = _surface.StreamUsage()
         while True:
             try:
                 chunk = await resp.next_chunk()
@@ -806,48 +879,50 @@ class Router:
                 # Too late to retry or to change the status: tell an SSE client in its
                 # own terms, then cut the connection so no client takes it for complete.
                 ex.status = 502 if not isinstance(exc, UpstreamTimeout) else 504
+                state.breaker.broken(trio.current_time())
+                self.metrics.upstream_failure(ex.model, state.endpoint.endpoint_id, exc.phase)
                 log.warning("%s: stream broken mid-response: %s", ex.model, exc)
-                message = {
-                    "error": {
-                        "message": f"the model's replica failed mid-response: {exc}",
-                        "type": "upstream_error",
-                        "code": exc.phase,
-                    }
-                }
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": b"data: " + json.dumps(message).encode() + b"\n\n",
-                        "more_body": True,
-                    }
+                event = _surface.stream_error(
+                    ex.errors,
+                    f"the model's replica failed mid-response: {exc}",
+                    status=ex.status,
+                    code=exc.phase,
                 )
-                return  # returning mid-body makes hypercorn close the connection
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+                return None  # returning mid-body makes hypercorn close the connection
             if chunk is None:
                 break
             if first:
                 first = False
                 ex.ttft = trio.current_time() - start
-            if not usage_seen and b'"usage"' in chunk and b'"prompt_tokens"' in chunk:
-                usage_seen = self._count_usage(ex.model, chunk)
+            if b'"usage"' in chunk:
+                self.metrics.tokens(ex.model, *tally.add(chunk))
             if resp.done:
+                state.breaker.complete(trio.current_time())
                 ex.complete = True
                 await send({"type": "http.response.body", "body": chunk})
-                return
+                return None
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        state.breaker.complete(trio.current_time())
         ex.complete = True
         await send({"type": "http.response.body", "body": b""})
+        return None
 
-    def _count_usage(self, model: str, data: bytes) -> bool:
-        pos = data.rfind(b'"usage"')
-        if pos < 0:
-            return False
-        tail = data[pos:]
-        p = _PROMPT_TOKENS.search(tail)
-        c = _COMPLETION_TOKENS.search(tail)
-        if p is None and c is None:
-            return False
-        self.metrics.tokens(model, int(p.group(1)) if p else None, int(c.group(1)) if c else None)
-        return True
+    def _count_usage(self, model: str, data: bytes) -> None:
+        self.metrics.tokens(model, *_surface.usage(data))
+
+
+def _nests_deeper(body: bytes, limit: int) -> bool:
+    """Whether the JSON text nests arrays and objects more than `limit` deep.
+
+    Cheap for the usual body: fewer opening brackets than the limit cannot nest
+    deeper. Otherwise the strings are taken out and the brackets summed as +1/-1
+    in C (translate, array, accumulate): no Python loop over the bytes.
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    structure = _JSON_STRING.sub(b"", body).translate(_NESTING, _NOT_BRACKETS)
+    return max(itertools.accumulate(array("b", structure)), default=0) > limit
 
 
 def _in_trio() -> bool:
@@ -900,9 +975,15 @@ async def _json(
     await send({"type": "http.response.body", "body": data})
 
 
-async def _error(send: Send, exc: HttpError) -> None:
-    body = {"error": {"message": str(exc), "type": exc.type, "code": exc.code, "param": None}}
-    await _json(send, exc.status, body, exc.headers)
+async def _error(send: Send, exc: HttpError, shape: _surface.ErrorShape = "openai") -> None:
+    await _json(send, exc.status, _surface.error_body(shape, exc), exc.headers)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
 
 
 def _too_large(limit: int) -> HttpError:

@@ -7,6 +7,11 @@ that misses `unhealthy_after` readings in a row (refused, timed out, 5xx) is
 marked unhealthy and gets no requests until a reading succeeds again; both
 changes are logged with the endpoint and the reason.
 
+llama.cpp's `/slots` lists the engine's slots: their number becomes the
+endpoint's `slots` unless the endpoint declares its own, and `on_slots` is
+called when it changes, so admission's concurrency follows the engine (a
+2-slot llama-server gets 2 requests at a time, the rest queue or get 429).
+
 An engine that answers but publishes no metrics (SGLang without
 `--enable-metrics` is 404, llama-server without `--metrics` is 501) is alive:
 its load stays unknown and it stays healthy.
@@ -86,8 +91,10 @@ class Scraper:
         interval_s: float = 1.0,
         timeout_s: float | None = None,
         unhealthy_after: int = 3,
+        on_slots: Callable[[EndpointState], None] | None = None,
     ) -> None:
         self._states = states
+        self._on_slots = on_slots
         self.interval_s = interval_s
         self.timeout_s = timeout_s if timeout_s is not None else interval_s
         self.unhealthy_after = unhealthy_after
@@ -142,8 +149,22 @@ class Scraper:
                             slots = None
                         if kv is None:
                             kv = engines.slots_usage(slots)
-                        if isinstance(slots, list) and slots and state.endpoint.slots is None:
+                        if (
+                            isinstance(slots, list)
+                            and slots
+                            and state.endpoint.slots is None
+                            and state.slots != len(slots)
+                        ):
                             state.slots = len(slots)
+                            log.info(
+                                "endpoint %s (%s at %s) runs %d requests at once (its /slots)",
+                                e.endpoint_id,
+                                e.engine,
+                                e.authority,
+                                len(slots),
+                            )
+                            if self._on_slots is not None:
+                                self._on_slots(state)
         except (UpstreamError, trio.TooSlowError, OSError, _Miss) as exc:
             reason = (
                 str(exc)

@@ -5,34 +5,52 @@ py-spy) put about 45% of its CPU time in hypercorn: a task and a memory
 channel per request, an idle-timer task restarted per event, event objects
 between its protocol layers, header validation and access-log calls. This
 server does what the router's listener needs and nothing else (no TLS, HTTP/2,
-WebSocket, lifespan or push): h11 parses (it is outside input), and the app is
-called in the connection's own task.
+WebSocket, lifespan or push): llhttp parses (llmgw/router/_http1.py: it is
+outside input, and llhttp is strict where RFC 9112 says to be), responses are
+written here, and the app is called in the connection's own task.
 
 ASGI as the router uses it:
-- One reader task per connection feeds h11 and notices the client leaving at
-  any moment; the app is then cancelled (the scope carries the extension
-  `llmgw.cancel_on_disconnect`, so the app needs no watcher task of its own).
-  Bytes a client pipelines meanwhile are kept for the next request.
+- One reader task per connection feeds the parser and notices the client
+  leaving at any moment; the app is then cancelled (the scope carries the
+  extension `llmgw.cancel_on_disconnect`, so the app needs no watcher task of
+  its own). Bytes a client pipelines meanwhile are kept for the next request.
 - `receive()` gives the request body (all the bytes that have arrived, in one
   message), then blocks until the client leaves and returns `http.disconnect`;
   after the response is complete it returns `http.disconnect` at once.
 - `send()` holds `http.response.start` back until the first body message, so
   a small answer goes out in one write. A client that is gone makes `send`
-  a no-op, as hypercorn does.
+  a no-op, as hypercorn does. HEAD gets the head only.
 - An app that returns with its response incomplete gets its connection
   closed: the client sees a truncated message, never a complete-looking one.
+
+Bounds on the client side (`Limits`): the head must arrive within
+`head_timeout_s` of its first byte and fit in `max_head_bytes`; the body
+within `body_timeout_s` of the head (a total bound, so a 1 byte/s body is cut
+too: 408); every write must complete within `send_timeout_s` (a client that
+stops reading is cut and the app cancelled, which frees its admission slot);
+an idle keep-alive connection is closed after `keepalive_s`. A response sent
+before the request body has been read (413, or any early answer) says
+`connection: close`; the server then shuts its write side and reads and
+discards the rest of the body (up to `discard_bytes`, within
+`body_timeout_s`) before closing, so the client reads the answer instead of
+a reset.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import socket
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from email.utils import formatdate
 from typing import Any
 from urllib.parse import unquote
 
-import h11
+import attrs
 import trio
+
+from llmgw.router._http1 import END, Failure, Head, RequestParser
 
 log = logging.getLogger("llmgw.router.server")
 
@@ -45,15 +63,72 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 READ_SIZE = 65536
 MAX_PIPELINED = 1 << 20
 _REASONS = {
-    200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
-    404: b"Not Found", 405: b"Method Not Allowed", 413: b"Content Too Large",
+    100: b"Continue", 200: b"OK", 204: b"No Content", 304: b"Not Modified",
+    400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
+    404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
+    413: b"Content Too Large", 415: b"Unsupported Media Type",
     429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
-    499: b"Client Closed Request", 500: b"Internal Server Error", 502: b"Bad Gateway",
-    503: b"Service Unavailable", 504: b"Gateway Timeout",
+    499: b"Client Closed Request", 500: b"Internal Server Error", 501: b"Not Implemented",
+    502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
+    505: b"HTTP Version Not Supported",
 }  # fmt: skip
-
+_STATUS_LINES: dict[int, bytes] = {}
 
 EXTENSION = "llmgw.cancel_on_disconnect"
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """The client-side bounds of one listener (the router's config sets them)."""
+
+    head_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    send_timeout_s: float = 60.0
+    keepalive_s: float = 75.0
+    max_head_bytes: int = 32768
+    discard_bytes: int = 64 << 20
+
+
+class _Date:
+    """The Date header, formatted once a second."""
+
+    second = -1
+    value = b""
+
+    @classmethod
+    def now(cls) -> bytes:
+        t = int(time.time())
+        if t != cls.second:
+            cls.value = formatdate(t, usegmt=True).encode()
+            cls.second = t
+        return cls.value
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))
+    return line
+
+
+def _error_response(status: int, reason: str) -> bytes:
+    body = f"{_REASONS.get(status, b'error').decode().lower()}: {reason}\n".encode()
+    return (
+        _status_line(status)
+        + b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+        + b"date: " + _Date.now() + b"\r\ncontent-length: %d\r\n\r\n" % len(body)
+        + body
+    )  # fmt: skip
+
+
+def _arrived(parser: RequestParser) -> bool:
+    """The request's whole body is in the parser's events."""
+    for event in parser.events:
+        if event is END:
+            return True
+        if type(event) is not bytes:
+            return False
+    return False
 
 
 class _Closed(Exception):
@@ -61,7 +136,7 @@ class _Closed(Exception):
 
 
 class _Reader:
-    """The connection's one reader: feeds h11, and notices the client leaving at any time.
+    """The connection's one reader: feeds the parser, and notices the client leaving.
 
     A task per connection rather than per request: a per-request watcher task
     costs two extra scheduler passes at the end of every request (it must run
@@ -69,20 +144,23 @@ class _Reader:
     under load showed as a second latency mode at twice the median.
     """
 
-    def __init__(self, conn: h11.Connection, stream: trio.SocketStream) -> None:
-        self.conn = conn
+    def __init__(self, parser: RequestParser, stream: trio.SocketStream) -> None:
+        self.parser = parser
         self.stream = stream
         self.gone = False
         self.gone_event = trio.Event()
         self.app_scope: trio.CancelScope | None = None
+        self.discarding = False  # body bytes are dropped as they arrive
+        self.discarded = 0
         self._arrived: trio.Event | None = None
         self._drained: trio.Event | None = None
 
     async def run(self) -> None:
+        parser = self.parser
         try:
-            while True:
-                trailing = self.conn.trailing_data[0]
-                if len(trailing) > MAX_PIPELINED:  # the client races ahead: stop reading
+            while True:  # (after a refusal the parser drops what comes; EOF still counts)
+                if parser.pending_body > MAX_PIPELINED or len(parser.events) > 64:
+                    # The client races ahead: stop reading until the server catches up.
                     self._drained = trio.Event()
                     await self._drained.wait()
                     continue
@@ -92,16 +170,23 @@ class _Reader:
                     data = b""
                 if not data:
                     break
-                self.conn.receive_data(data)
+                parser.feed(data)
+                if self.discarding:
+                    self._discard()
                 self._wake()
         finally:
             self.gone = True
-            with contextlib.suppress(RuntimeError):
-                self.conn.receive_data(b"")  # EOF: h11 ends what it has, then ConnectionClosed
             self.gone_event.set()
             if self.app_scope is not None:
                 self.app_scope.cancel()
             self._wake()
+
+    def _discard(self) -> None:
+        events = self.parser.events
+        while events and type(events[0]) is bytes:
+            n = len(events.popleft())  # type: ignore[arg-type]
+            self.parser.pending_body -= n
+            self.discarded += n
 
     def _wake(self) -> None:
         if self._arrived is not None:
@@ -114,7 +199,7 @@ class _Reader:
             self._drained = None
 
     async def more(self) -> None:
-        """Wait until more bytes have arrived; _Closed when the client has gone."""
+        """Wait until more has been parsed; _Closed when the client has gone."""
         if self.gone:
             raise _Closed()
         self._arrived = event = trio.Event()
@@ -125,29 +210,43 @@ class _Exchange:
     """One request/response on a connection: the app's receive and send."""
 
     __slots__ = (
+        "body_deadline",
         "body_done",
-        "conn",
+        "chunked",
+        "close",
         "head",
+        "is_head",
+        "limits",
         "reader",
+        "refusal",
+        "request",
         "response_done",
         "started",
         "stream",
-        "timeout",
+        "to_send",
         "write_failed",
     )
 
     def __init__(
-        self, conn: h11.Connection, stream: trio.SocketStream, reader: _Reader, timeout: float
+        self, request: Head, stream: trio.SocketStream, reader: _Reader, limits: Limits
     ) -> None:
-        self.conn = conn
+        self.request = request
         self.stream = stream
         self.reader = reader
-        self.timeout = timeout
+        self.limits = limits
+        self.body_deadline = trio.current_time() + limits.body_timeout_s
+        self.is_head = request.method == "HEAD"
+        self.close = not request.keep_alive or request.last
         self.head: tuple[int, list[tuple[bytes, bytes]]] | None = None
         self.started = False
+        self.chunked = False
+        self.to_send: int | None = None  # body bytes still due under a content-length
         self.body_done = False
         self.response_done = False
         self.write_failed = False
+        # Why the request could not be read (408 too slow, 400 a bad chunk): the app
+        # saw the client leave; the server answers this if nothing was sent yet.
+        self.refusal: Failure | None = None
 
     @property
     def gone(self) -> bool:
@@ -157,36 +256,51 @@ class _Exchange:
         if self.response_done:
             return {"type": "http.disconnect"}
         if not self.body_done:
-            if self.conn.they_are_waiting_for_100_continue and not self.started:
-                await self._write(
-                    self.conn.send(h11.InformationalResponse(status_code=100, headers=[]))
-                )
+            if self.request.expect_continue and not self.started:
+                self.request = attrs.evolve(self.request, expect_continue=False)
+                await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            parser = self.reader.parser
+            events = parser.events
             parts: list[bytes] = []
             try:
-                with trio.fail_after(self.timeout):
+                with trio.fail_at(self.body_deadline):
                     while True:
-                        event = self.conn.next_event()
-                        if type(event) is h11.Data:
-                            parts.append(event.data)
-                        elif type(event) is h11.EndOfMessage:
-                            self.body_done = True
-                            break
-                        elif event is h11.NEED_DATA:
-                            if parts:
+                        if events:
+                            event = events[0]
+                            if type(event) is bytes:
+                                events.popleft()
+                                parts.append(event)
+                                parser.pending_body -= len(event)
+                                continue
+                            if event is END:
+                                events.popleft()
+                                self.body_done = True
                                 break
-                            await self.reader.more()
-                        else:
+                            assert type(event) is Failure  # mid-body: the server answers
+                            self.refusal = event
                             return {"type": "http.disconnect"}
-            except (_Closed, trio.TooSlowError, h11.RemoteProtocolError):
+                        if parts:
+                            break
+                        await self.reader.more()
+            except _Closed:
                 self.write_failed = True  # the request cannot be read: treat as gone
                 return {"type": "http.disconnect"}
+            except trio.TooSlowError:
+                self.refusal = Failure(
+                    408,
+                    f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
+                    "(body_timeout_s)",
+                )
+                return {"type": "http.disconnect"}
+            finally:
+                self.reader.drained()
             body = parts[0] if len(parts) == 1 else b"".join(parts)
             return {"type": "http.request", "body": body, "more_body": not self.body_done}
         await self.reader.gone_event.wait()
         return {"type": "http.disconnect"}
 
     async def send(self, message: Message) -> None:
-        if self.gone or self.response_done:
+        if self.gone or self.response_done or self.refusal is not None:
             return
         kind = message["type"]
         if kind == "http.response.start":
@@ -198,28 +312,80 @@ class _Exchange:
             return
         if self.head is None:
             raise RuntimeError("http.response.body before http.response.start")
-        conn = self.conn
         data = b""
         if not self.started:
             self.started = True
-            status, headers = self.head
-            data = conn.send(
-                h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b""))
-            )
+            data = self._head_bytes()
         body = message.get("body", b"")
-        if body:
-            data += conn.send(h11.Data(data=body))
-        if not message.get("more_body", False):
-            data += conn.send(h11.EndOfMessage())
+        more = message.get("more_body", False)
+        if body and not self.is_head:
+            if self.chunked:
+                data += b"%x\r\n%b\r\n" % (len(body), body)
+            else:
+                if self.to_send is not None:
+                    if len(body) > self.to_send:
+                        raise RuntimeError(
+                            f"the app sent {len(body) - self.to_send} bytes beyond its "
+                            "content-length"
+                        )
+                    self.to_send -= len(body)
+                data += body
+        if not more:
+            if self.chunked and not self.is_head:
+                data += b"0\r\n\r\n"
+            if self.to_send or (self.to_send is None and not self.chunked):
+                self.close = True  # short of its content-length, or close-delimited
             self.response_done = True
         if data:
             await self._write(data)
 
+    def _head_bytes(self) -> bytes:
+        assert self.head is not None
+        status, headers = self.head
+        if not self.body_done and not self.close and not _arrived(self.reader.parser):
+            # Answered before the body has arrived: close after discarding the rest.
+            self.close = True
+        lines = [_status_line(status)]
+        length: int | None = None
+        for name, value in headers:
+            if name == b"content-length":
+                length = int(value)
+            lines.append(b"%b: %b\r\n" % (name, value))
+        bodyless = status < 200 or status in (204, 304)
+        if bodyless:
+            self.to_send = 0
+        elif length is not None:
+            self.to_send = 0 if self.is_head else length
+        elif self.request.http_version == "1.1":
+            self.chunked = True
+            if not self.is_head:
+                lines.append(b"transfer-encoding: chunked\r\n")
+        else:
+            self.close = True  # HTTP/1.0 without a length: the close ends the body
+        lines.append(b"date: " + _Date.now() + b"\r\n")
+        if self.close:
+            lines.append(b"connection: close\r\n")
+        elif self.request.http_version == "1.0":
+            lines.append(b"connection: keep-alive\r\n")
+        lines.append(b"\r\n")
+        return b"".join(lines)
+
     async def _write(self, data: bytes) -> None:
-        try:
-            await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        with trio.move_on_after(self.limits.send_timeout_s) as timer:
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                self.write_failed = True
+        if timer.cancelled_caught:
+            # The client stopped reading: give up on it, and stop the app (its admission
+            # slot and upstream connection go back now, not when the engine finishes).
+            log.info(
+                "client stopped reading for %g s (send_timeout_s); closing",
+                self.limits.send_timeout_s,
+            )
             self.write_failed = True
+            if self.reader.app_scope is not None:
+                self.reader.app_scope.cancel()
 
 
 async def serve(
@@ -227,18 +393,18 @@ async def serve(
     host: str,
     port: int,
     *,
-    keepalive_s: float = 75.0,
-    request_timeout_s: float = 60.0,
+    limits: Limits | None = None,
     backlog: int = 4096,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on host:port until cancelled; `task_status.started(port)`."""
+    lim = limits or Limits()
     listeners = await trio.open_tcp_listeners(port, host=host, backlog=backlog)
     bound = int(listeners[0].socket.getsockname()[1])
     server = (host, bound)
 
     async def handler(stream: trio.SocketStream) -> None:
-        await _connection(app, stream, server, keepalive_s, request_timeout_s)
+        await _connection(app, stream, server, lim)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handler, listeners)
@@ -246,24 +412,19 @@ async def serve(
 
 
 async def _connection(
-    app: App,
-    stream: trio.SocketStream,
-    server: tuple[str, int],
-    keepalive_s: float,
-    request_timeout_s: float,
+    app: App, stream: trio.SocketStream, server: tuple[str, int], limits: Limits
 ) -> None:
-    conn = h11.Connection(h11.SERVER)
+    parser = RequestParser(limits.max_head_bytes)
     try:
         peer = stream.socket.getpeername()
         client = (str(peer[0]), int(peer[1]))
     except OSError:
         client = None
-    reader = _Reader(conn, stream)
+    reader = _Reader(parser, stream)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader.run)
-            await _requests(app, conn, stream, reader, client, server, keepalive_s,
-                            request_timeout_s)  # fmt: skip
+            await _requests(app, parser, stream, reader, client, server, limits)
             nursery.cancel_scope.cancel()
     finally:
         stream.socket.close()
@@ -271,38 +432,42 @@ async def _connection(
 
 async def _requests(
     app: App,
-    conn: h11.Connection,
+    parser: RequestParser,
     stream: trio.SocketStream,
     reader: _Reader,
     client: tuple[str, int] | None,
     server: tuple[str, int],
-    keepalive_s: float,
-    request_timeout_s: float,
+    limits: Limits,
 ) -> None:
+    events = parser.events
     try:
         while True:
-            event = await _next_head(conn, reader, keepalive_s, request_timeout_s)
-            if event is None:
+            head = await _next_head(parser, reader, limits)
+            if type(head) is Failure:
+                await _refuse(stream, head.status, head.reason)
                 return
-            target = bytes(event.target)
+            if head is None:
+                return
+            assert type(head) is Head
+            target = head.target
             path, _, query = target.partition(b"?")
             scope: Scope = {
                 "type": "http",
                 "asgi": {"version": "3.0", "spec_version": "2.3"},
-                "http_version": event.http_version.decode(),
-                "method": event.method.decode("ascii"),
+                "http_version": head.http_version,
+                "method": head.method,
                 "scheme": "http",
                 "path": unquote(path.decode("latin-1")),
                 "raw_path": path,
                 "query_string": query,
                 "root_path": "",
-                "headers": list(event.headers),
+                "headers": head.headers,
                 "client": client,
                 "server": server,
                 # The app need not watch for the client leaving: this server cancels it.
                 "extensions": {EXTENSION: {}},
             }
-            ex = _Exchange(conn, stream, reader, request_timeout_s)
+            ex = _Exchange(head, stream, reader, limits)
             with trio.CancelScope() as reader.app_scope:
                 if reader.gone:
                     reader.app_scope.cancel()
@@ -310,57 +475,98 @@ async def _requests(
                     await app(scope, ex.receive, ex.send)
                 except Exception:
                     log.exception("the app failed on %s %s", scope["method"], scope["path"])
-                    if not ex.started and not ex.gone:
+                    if not ex.started and not ex.gone and ex.refusal is None:
                         ex.head = (500, [(b"content-type", b"text/plain")])
                         await ex.send({"type": "http.response.body", "body": b"internal error\n"})
             reader.app_scope = None
+            if ex.refusal is not None:
+                if not ex.started and not ex.gone:
+                    await _refuse(stream, ex.refusal.status, ex.refusal.reason)
+                return
             if ex.gone or not ex.response_done:
                 return  # an incomplete response must not look complete: close
-            while conn.their_state is h11.SEND_BODY:
-                # The app did not read the body (a GET has an empty one): take what has
-                # arrived; a body still on its way (a refused upload) closes instead.
-                if type(conn.next_event()) not in (h11.Data, h11.EndOfMessage):
-                    break
-            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+            if not ex.body_done:
+                # Answered before the body was read (a GET that ignored an empty body
+                # has none left; a refused upload has).
+                while events and type(events[0]) is bytes:
+                    parser.pending_body -= len(events.popleft())  # type: ignore[arg-type]
+                if events and events[0] is END:
+                    events.popleft()
+                    ex.body_done = True
+            if ex.close or not ex.body_done:
+                if not ex.body_done and not ex.gone:
+                    await _discard_rest(stream, parser, reader, ex.body_deadline, limits)
                 return
-            conn.start_next_cycle()
             reader.drained()
-    except h11.RemoteProtocolError as exc:
-        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            with trio.move_on_after(1):
-                body = f"bad request: {exc}\n".encode()
-                resp = h11.Response(
-                    status_code=exc.error_status_hint,
-                    headers=[(b"content-type", b"text/plain"), (b"connection", b"close"),
-                             (b"content-length", b"%d" % len(body))],
-                )  # fmt: skip
-                with contextlib.suppress(
-                    trio.BrokenResourceError, trio.ClosedResourceError, OSError
-                ):
-                    await stream.send_all(conn.send(resp) + conn.send(h11.Data(data=body)))
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
         pass
 
 
+async def _refuse(stream: trio.SocketStream, status: int, reason: str) -> None:
+    """Answer a request that cannot be served, then the caller closes."""
+    with trio.move_on_after(1), contextlib.suppress(
+        trio.BrokenResourceError, trio.ClosedResourceError, OSError
+    ):
+        await stream.send_all(_error_response(status, reason))
+        with contextlib.suppress(OSError):
+            stream.socket.shutdown(socket.SHUT_WR)
+
+
+async def _discard_rest(
+    stream: trio.SocketStream,
+    parser: RequestParser,
+    reader: _Reader,
+    deadline: float,
+    limits: Limits,
+) -> None:
+    """After an early answer: end our side, then drop the body until it ends or a bound.
+
+    Closing with unread bytes would make the kernel reset the connection, and a
+    reset can destroy the answer before the client has read it.
+    """
+    with contextlib.suppress(OSError):
+        stream.socket.shutdown(socket.SHUT_WR)
+    reader.discarding = True
+    reader.discarded = 0
+    reader._discard()
+    reader.drained()
+    events = parser.events
+    with trio.move_on_at(max(deadline, trio.current_time() + 1.0)):
+        while reader.discarded <= limits.discard_bytes:
+            if events and (events[0] is END or type(events[0]) is Failure):
+                return
+            try:
+                await reader.more()
+            except _Closed:
+                return
+
+
 async def _next_head(
-    conn: h11.Connection, reader: _Reader, keepalive_s: float, timeout_s: float
-) -> h11.Request | None:
+    parser: RequestParser, reader: _Reader, limits: Limits
+) -> Head | Failure | None:
     """The next request head; None when the client closes, idles out, or is too slow."""
-    deadline = trio.current_time() + keepalive_s
+    events = parser.events
+    deadline = trio.current_time() + limits.keepalive_s
     started = False
     while True:
-        event = conn.next_event()
-        if type(event) is h11.Request:
-            return event
-        if event is not h11.NEED_DATA:
-            return None  # ConnectionClosed, or PAUSED (cannot happen here)
+        if events:
+            event = events.popleft()
+            if type(event) is Head or type(event) is Failure:
+                return event
+            continue  # (cannot happen: bodies are consumed with their request)
+        if not started and parser.in_message:
+            started = True
+            deadline = trio.current_time() + limits.head_timeout_s
         with trio.move_on_at(deadline) as idle:
             try:
                 await reader.more()
             except _Closed:
                 return None
         if idle.cancelled_caught:
+            if started:
+                return Failure(
+                    408,
+                    f"the request head did not arrive within {limits.head_timeout_s:g} s "
+                    "(head_timeout_s)",
+                )
             return None
-        if not started and conn.trailing_data[0]:
-            started = True
-            deadline = trio.current_time() + timeout_s

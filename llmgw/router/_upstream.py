@@ -71,6 +71,12 @@ class UpstreamBroken(UpstreamError):
     phase = "protocol"
 
 
+class BodyBroken(UpstreamBroken):
+    """The connection closed, or stopped being HTTP, after the response head."""
+
+    phase = "mid_body"
+
+
 class _Conn:
     __slots__ = ("h11", "idle_since", "reused", "stream")
 
@@ -142,7 +148,7 @@ class Response:
                 event = conn.h11.next_event()
             except h11.RemoteProtocolError as exc:
                 self.close()
-                raise UpstreamBroken(
+                raise BodyBroken(
                     self._pool.name, f"bad HTTP in the body: {exc}", before_response=False
                 ) from None
             if type(event) is h11.Data:
@@ -158,7 +164,7 @@ class Response:
                 await self._receive(conn)
                 continue
             self.close()  # ConnectionClosed before the end, or something unexpected
-            raise UpstreamBroken(
+            raise BodyBroken(
                 self._pool.name, "the connection closed mid-body", before_response=False
             )
         if not parts:
@@ -185,7 +191,7 @@ class Response:
             ) from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self.close()
-            raise UpstreamBroken(
+            raise BodyBroken(
                 self._pool.name, f"connection lost mid-body: {exc}", before_response=False
             ) from None
         conn.h11.receive_data(data)

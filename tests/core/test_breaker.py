@@ -37,6 +37,12 @@ EXPECTED = {
     (HALF_OPEN, "success"): (CLOSED, None),
     (HALF_OPEN, "failure"): (OPEN, None),
     (HALF_OPEN, "cancel"): (OPEN, None),
+    (CLOSED, "broken"): (CLOSED, None),
+    (OPEN, "broken"): (OPEN, None),
+    (HALF_OPEN, "broken"): (OPEN, None),
+    (CLOSED, "complete"): (CLOSED, None),
+    (OPEN, "complete"): (OPEN, None),
+    (HALF_OPEN, "complete"): (HALF_OPEN, None),
 }
 
 
@@ -149,7 +155,40 @@ def test_repr_and_statistics_say_where_it_stands() -> None:
         "opened_total": 1,
         "probes_total": 0,
         "refused_total": 0,
+        "consecutive_broken": 0,
+        "broken_total": 0,
     }
+
+
+def test_bodies_that_break_open_it_although_every_head_succeeded() -> None:
+    """An engine that answers at once and hangs mid-stream: successes do not hide it."""
+    b = Breaker(CONFIG)
+    for i in range(CONFIG.failure_threshold):
+        assert b.state is CLOSED, i
+        assert b.allow(float(i))
+        b.success(float(i))  # the head came
+        b.broken(float(i) + 0.5)  # then the body hung
+    assert b.state is OPEN
+    assert b.statistics()["since"] == 2.5
+    assert (b.consecutive_failures, b.consecutive_broken) == (0, 3)
+    # The probe's head closes it; its body breaking re-opens it at once, not after 3 more.
+    assert b.allow(12.5)
+    b.success(12.5)
+    assert b.state is CLOSED
+    b.broken(13.0)
+    assert b.state is OPEN
+    assert b.statistics()["opened_total"] == 2
+    # A body read to its end clears the count: it takes 3 broken ones again.
+    assert b.allow(23.0)
+    b.success(23.0)
+    b.complete(23.5)
+    b.broken(24.0)
+    b.broken(24.0)
+    assert (b.state, b.consecutive_broken) == (CLOSED, 2)
+    b.complete(25.0)
+    b.broken(26.0)
+    b.broken(26.0)
+    assert b.state is CLOSED
 
 
 def test_config_is_validated() -> None:
@@ -165,6 +204,7 @@ class Reference:
     def __init__(self) -> None:
         self.state = CLOSED
         self.failures = 0
+        self.broken = 0
         self.opened_at = 0.0
         self.probe_at = 0.0
 
@@ -176,6 +216,8 @@ class Reference:
                 return "probe_timeout"
             return "allow"
         if op == "failure" and self.state is CLOSED and self.failures + 1 >= 3:
+            return "trip"
+        if op == "broken" and self.state is CLOSED and self.broken + 1 >= 3:
             return "trip"
         return op
 
@@ -189,7 +231,11 @@ class Reference:
             self.failures += 1
         if op == "success" and after is CLOSED:
             self.failures = 0
-        if after is OPEN and before is not OPEN and op == "failure":
+        if op == "broken":
+            self.broken += 1
+        if op == "complete":
+            self.broken = 0
+        if after is OPEN and before is not OPEN and op in ("failure", "broken"):
             self.opened_at = now
         self.state = after
         return allowed
@@ -197,7 +243,7 @@ class Reference:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["allow", "success", "failure", "cancel"]),
+        st.sampled_from(["allow", "success", "failure", "cancel", "broken", "complete"]),
         st.sampled_from([0.0, 0.5, 5.0, 10.0, 30.0]),
     ),
     max_size=60,
@@ -221,6 +267,7 @@ def test_random_walks_follow_the_table(walk: list[tuple[str, float]]) -> None:
         if op == "allow":
             assert result is expected_allowed
         assert b.consecutive_failures == ref.failures
+        assert b.consecutive_broken == ref.broken
 
 
 @given(ops, st.integers(min_value=1, max_value=6))
@@ -250,12 +297,15 @@ def test_every_pair_of_the_table_is_reached_and_followed() -> None:
     starts: list[tuple[BreakerState, list[tuple[str, float]]]] = [
         (CLOSED, []),
         (CLOSED, [("failure", 0.0)] * 2),  # the next failure reaches the threshold
+        (CLOSED, [("broken", 0.0)] * 2),  # the next broken body reaches it
         (OPEN, trip),
         (HALF_OPEN, [*trip, ("allow", 10.0)]),
     ]
     seen: set[tuple[BreakerState, BreakerEvent]] = set()
     for (state, recipe), op, dt in itertools.product(
-        starts, ["allow", "success", "failure", "cancel"], [0.0, 10.0, 30.0]
+        starts,
+        ["allow", "success", "failure", "cancel", "broken", "complete"],
+        [0.0, 10.0, 30.0],
     ):
         b, ref, now = Breaker(CONFIG), Reference(), 0.0
         for step_op, step_dt in recipe:

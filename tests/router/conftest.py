@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -152,22 +153,23 @@ async def serve_router(
     """The router in this trio loop, on llmgw's lean server or on hypercorn."""
     import random
 
-    from llmgw.router import _server
+    from llmgw.router import _hypercorn, _main, _server, listener_limits
 
     source = StaticEndpoints(endpoints, models)
     router = Router(RouterConfig(**config), source, keys or make_keys(), rng=random.Random(seed))
     async with trio.open_nursery() as nursery:
         if run:
             await nursery.start(router.run)
-        if server == "hypercorn":
+        limits = listener_limits(router.config)
+        if server == "hypercorn":  # as router-only mode runs it (llmgw/router/_main.py)
             port = free_port()
-            hc = hypercorn.config.Config()
-            hc.bind = [f"127.0.0.1:{port}"]
-            hc.accesslog = None
+            hc = _main._hypercorn(f"127.0.0.1:{port}", router.config)
             hc.graceful_timeout = 0.5
-            await nursery.start(hypercorn.trio.serve, router.app, hc)
+            await nursery.start(hypercorn.trio.serve, _hypercorn.guard(router.app, limits), hc)
         else:
-            port = await nursery.start(_server.serve, router.app, "127.0.0.1", 0)
+            port = await nursery.start(
+                functools.partial(_server.serve, limits=limits), router.app, "127.0.0.1", 0
+            )
         try:
             yield RunningRouter(router, f"http://127.0.0.1:{port}", source)
         finally:

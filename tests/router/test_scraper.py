@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
 import trio
+from helpers import llama_server_binary
 
+from llmgw.testing.cluster import free_port, wait_for
 from router.conftest import SECRET_A, FakeEngine, sample, serve_router
 
 AUTH = {"Authorization": f"Bearer {SECRET_A}"}
@@ -116,3 +125,123 @@ async def test_session_affinity_keeps_a_session_on_one_replica(
             assert sorted(moved) == [0, 4], (session, moved)
         # Across sessions both replicas are used (rendezvous hashing spreads them).
         assert a.stats()["completed"] > 0 and b.stats()["completed"] > 0
+
+
+async def test_llama_cpp_slots_set_the_concurrency_unless_slots_are_declared(
+    start_engine: Callable[..., FakeEngine],
+) -> None:
+    """Before the fix the scraped slot count changed nothing: the limit stayed at
+    slots_per_endpoint (64) per endpoint."""
+    two = start_engine("small", engine="llama-server", extra=["-np", "2"])
+    three = start_engine("small", engine="llama-server", extra=["-np", "3"])
+    declared = start_engine("other", engine="llama-server", extra=["-np", "2"])
+    eps = [two.endpoint("two"), three.endpoint("three"), declared.endpoint("declared", slots=5)]
+    async with serve_router(eps, scrape_interval_s=0.2) as r:
+
+        def limits() -> tuple[float | None, float | None]:
+            text = r.metrics_text()
+            limit = "llmgw_router_concurrency_limit"
+            return sample(text, limit, model="small"), sample(text, limit, model="other")
+
+        await until(lambda: limits() == (5.0, 5.0))  # 2 + 3 from /slots; 5 as declared
+        assert r.router.endpoint_states()["declared"].slots == 5
+        # An endpoint with no /slots (vLLM) counts slots_per_endpoint.
+        r.source.replace([*eps, start_engine("small").endpoint("vllm")])
+        await until(lambda: limits() == (69.0, 5.0))
+
+
+@pytest.mark.slow
+def test_a_real_two_slot_llama_server_gets_two_requests_at_a_time(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """Router-only mode, no `slots:` declared: the router reads the engine's /slots and
+    admits 2 of 6 concurrent requests; the other 4 wait in its queue, not at the engine."""
+    binary = llama_server_binary()
+    engine_port, port, metrics_port = free_port(), free_port(), free_port()
+    engine_log = tmp_path / "llama-server.log"
+    router_log = tmp_path / "router.log"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        argv = [binary, "-m", str(tiny_model), "--host", "127.0.0.1", "--port", str(engine_port)]
+        argv += ["-np", "2", "--ctx-size", "4096", "--threads", "1", "--metrics"]
+        with open(engine_log, "wb") as f:
+            procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
+        engine = f"http://127.0.0.1:{engine_port}"
+        wait_for(
+            "llama-server healthy",
+            lambda: httpx.get(engine + "/health", timeout=2).status_code == 200,
+            timeout=60,
+            interval=0.1,
+        )
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(
+            f"listen: 127.0.0.1:{port}\n"
+            f"metrics_listen: 127.0.0.1:{metrics_port}\n"
+            f"endpoints:\n  - {{model: tiny, engine: llama-server, url: '{engine}'}}\n"
+            "keys:\n  - {key: llmgw-static-one, tenant: t0}\n"
+            "scrape_interval_s: 0.2\n"
+        )
+        with open(router_log, "wb") as f:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "llmgw.router", "--config", str(cfg)],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
+            )
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+        def metric(name: str, **labels: str) -> float | None:
+            try:
+                text = httpx.get(metrics_url, timeout=5).text
+            except httpx.HTTPError:
+                return None
+            return sample(text, name, model="tiny", **labels)
+
+        wait_for(
+            "the router's limit from the engine's /slots",
+            lambda: metric("llmgw_router_concurrency_limit") == 2.0,
+            timeout=20,
+            interval=0.1,
+        )
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1500,  # about 0.3 s each here: long enough to be seen waiting
+            "ignore_eos": True,
+        }
+        headers = {"Authorization": "Bearer llmgw-static-one"}
+
+        def one(_: int) -> int:
+            with httpx.Client(timeout=60) as c:
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                return c.post(url, json=body, headers=headers).status_code
+
+        admitted: list[float] = []
+        queued: list[float] = []
+        busy: list[int] = []
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(one, i) for i in range(6)]
+            while not all(f.done() for f in futures):
+                admitted.append(metric("llmgw_router_admitted_requests") or 0.0)
+                queued.append(metric("llmgw_router_queue_depth", band="interactive") or 0.0)
+                slots = httpx.get(engine + "/slots", timeout=5).json()
+                busy.append(sum(1 for s in slots if s["is_processing"]))
+                time.sleep(0.01)
+            statuses = [f.result() for f in futures]
+        assert statuses == [200] * 6
+        assert max(admitted) == 2.0, admitted
+        assert max(queued) >= 1.0, queued  # the rest waited in the router's queue
+        assert max(busy) == 2
+        wait_text = httpx.get(metrics_url, timeout=5).text
+        waits = sample(wait_text, "llmgw_router_queue_wait_seconds_sum", model="tiny")
+        assert waits is not None and waits > 0.2  # 4 requests waited for a slot
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)

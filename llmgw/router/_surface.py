@@ -1,0 +1,271 @@
+"""The API surface clients speak: the routes, how each names its model, its error shape.
+
+Pure: no trio, no sockets. The router asks this module which path is an
+inference route, what a request must carry, where its model is named (the
+JSON body's `model`, or the multipart form's `model` field for audio), which
+key header it sent (`Authorization: Bearer` or Anthropic's `x-api-key`), and
+how an error reads on that route (OpenAI's shape, or Anthropic's on
+`/v1/messages`), and the token counts a body or a stream reports in each API's
+words.
+
+Every inference route is proxied as it is, to the same path on an engine
+serving the model; an engine that does not serve a path answers its own 404
+(vLLM, SGLang) or 501 (llama.cpp without `--reranking`, or a model without
+audio), and that answer reaches the client as the engine sent it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import attrs
+
+ErrorShape = Literal["openai", "anthropic"]
+JSON_CONTENT_TYPE = b"application/json"
+
+
+class HttpError(Exception):
+    """Answer the client with this status, in its route's error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        code: str,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.code = code
+        self.headers = headers
+
+
+@attrs.frozen
+class Route:
+    path: str
+    # A field the JSON body must carry besides "model", checked here because an
+    # engine may answer its absence with a 5xx (llama.cpp's /v1/messages does),
+    # which would count against a healthy engine's breaker.
+    required: str | None = None
+    body: Literal["json", "form"] = "json"
+    errors: ErrorShape = "openai"
+
+
+def _table(*routes: Route) -> dict[str, Route]:
+    return {r.path: r for r in routes}
+
+
+ROUTES: dict[str, Route] = _table(
+    Route("/v1/chat/completions", "messages"),
+    Route("/v1/completions", "prompt"),
+    Route("/v1/embeddings", "input"),
+    # The Responses API (llama.cpp, vLLM); `input` may be absent there (a stored prompt).
+    Route("/v1/responses"),
+    # Anthropic's Messages API (llama.cpp, vLLM).
+    Route("/v1/messages", "messages", errors="anthropic"),
+    Route("/v1/messages/count_tokens", "messages", errors="anthropic"),
+    # Retrieval: llama.cpp serves /rerank and /v1/rerank; vLLM those, /v2/rerank
+    # (Cohere's v2 shape), /score and /v1/score.
+    Route("/v1/rerank"),
+    Route("/v2/rerank"),
+    Route("/rerank"),
+    Route("/v1/score"),
+    Route("/score"),
+    Route("/v1/audio/transcriptions", body="form"),
+    Route("/v1/audio/translations", body="form"),
+    # llama.cpp and vLLM; the router needs `model` to know where to send them.
+    Route("/tokenize"),
+    Route("/detokenize"),
+)
+
+
+# --- the key ------------------------------------------------------------------------------
+
+
+def api_key(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The key a client sent: `Authorization: Bearer <key>`, else `x-api-key: <key>`."""
+    other = None
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, rest = value.partition(b" ")
+            if scheme.lower() == b"bearer" and rest.strip():
+                return rest.strip().decode("latin-1")
+        elif name == b"x-api-key" and other is None and value.strip():
+            other = value.strip().decode("latin-1")
+    return other
+
+
+# --- multipart forms (audio) --------------------------------------------------------------
+
+_BOUNDARY = re.compile(rb'boundary\s*=\s*(?:"([^"]{1,200})"|([^\s;,"]{1,200}))', re.IGNORECASE)
+_PART_NAME = re.compile(rb'(?:^|;)\s*name\s*=\s*(?:"([^"]*)"|([^;\s]+))', re.IGNORECASE)
+# A form's small fields come before its file in every client seen; past this many
+# parts the field is taken as absent rather than scanning further.
+MAX_FORM_PARTS = 64
+
+
+def _bad_form(message: str) -> HttpError:
+    return HttpError(
+        400,
+        f"the multipart form: {message}",
+        type="invalid_request_error",
+        code="invalid_form",
+    )
+
+
+def form_fields(body: bytes, content_type: bytes | None, names: frozenset[str]) -> dict[str, str]:
+    """The values of the form fields in `names` (the first of each), from a
+    `multipart/form-data` body; the parts not named (the file) are skipped, not copied."""
+    if content_type is None or not content_type.lower().startswith(b"multipart/form-data"):
+        got = "none" if content_type is None else repr(content_type.decode("latin-1"))
+        raise _bad_form(f"Content-Type must be multipart/form-data with a boundary (got {got})")
+    match = _BOUNDARY.search(content_type)
+    if match is None:
+        raise _bad_form("Content-Type multipart/form-data has no boundary parameter")
+    delimiter = b"--" + (match.group(1) or match.group(2))
+    fields: dict[str, str] = {}
+    pos = body.find(delimiter)
+    if pos < 0:
+        raise _bad_form("the body has no part that starts with the boundary")
+    for _ in range(MAX_FORM_PARTS):
+        pos += len(delimiter)
+        if body.startswith(b"--", pos):
+            return fields  # the closing delimiter
+        head_end = body.find(b"\r\n\r\n", pos)
+        if head_end < 0:
+            raise _bad_form("a part's headers do not end (no blank line)")
+        end = body.find(b"\r\n" + delimiter, head_end + 4)
+        if end < 0:
+            raise _bad_form("a part does not end with the boundary")
+        name = _part_name(body[pos:head_end])
+        if name is not None and name in names and name not in fields:
+            raw = body[head_end + 4 : end]
+            try:
+                fields[name] = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise _bad_form(f"the field {name!r} is not UTF-8 text") from None
+            if len(fields) == len(names):
+                return fields
+        pos = end + 2
+    return fields
+
+
+def _part_name(head: bytes) -> str | None:
+    for line in head.split(b"\r\n"):
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == b"content-disposition":
+            match = _PART_NAME.search(value)
+            if match is None:
+                return None
+            return (match.group(1) if match.group(1) is not None else match.group(2)).decode(
+                "latin-1"
+            )
+    return None
+
+
+_FORM_FIELDS = frozenset({"model", "stream"})
+
+
+def form_model(body: bytes, content_type: bytes | None) -> tuple[str, bool]:
+    """The model a multipart request names, and whether it asks for a stream."""
+    fields = form_fields(body, content_type, _FORM_FIELDS)
+    model = fields.get("model", "").strip()
+    if not model:
+        raise _bad_form("model: required, a form field naming a served model (see GET /v1/models)")
+    return model, fields.get("stream", "").strip().lower() == "true"
+
+
+# --- token usage --------------------------------------------------------------------------
+
+# OpenAI's chat and completions say prompt/completion; Responses and Anthropic's
+# Messages say input/output. The quote before the name keeps
+# `cache_read_input_tokens` out, and escaped text (`\"prompt_tokens\"`) never matches.
+_PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+
+
+def usage(data: bytes) -> tuple[int | None, int | None]:
+    """The prompt and completion token counts from the first `"usage"` on: the first
+    prompt count and the last completion count (None: not said)."""
+    pos = data.find(b'"usage"')
+    if pos < 0:
+        return None, None
+    prompt = _PROMPT_TOKENS.search(data, pos)
+    completions = _COMPLETION_TOKENS.findall(data, pos)
+    return (
+        int(prompt.group(1)) if prompt is not None else None,
+        int(completions[-1]) if completions else None,
+    )
+
+
+class StreamUsage:
+    """What a stream's usage events add to the token counters as they pass.
+
+    The prompt is counted once. Completion counts in a stream are cumulative
+    (Anthropic's message_start says 0 and its message_delta the total; vLLM's
+    continuous usage stats repeat it in every chunk), so each adds what it grew by.
+    """
+
+    __slots__ = ("completion", "prompt")
+
+    def __init__(self) -> None:
+        self.prompt: int | None = None
+        self.completion: int | None = None
+
+    def add(self, chunk: bytes) -> tuple[int | None, int | None]:
+        prompt, completion = usage(chunk)
+        if self.prompt is not None:
+            prompt = None
+        elif prompt is not None:
+            self.prompt = prompt
+        if completion is not None:
+            if self.completion is None or completion > self.completion:
+                completion, self.completion = completion - (self.completion or 0), completion
+            else:
+                completion = None
+        return prompt, completion
+
+
+# --- error bodies -------------------------------------------------------------------------
+
+
+def anthropic_type(status: int) -> str:
+    """Anthropic's error type for a status (docs.anthropic.com, "Errors")."""
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 413:
+        return "request_too_large"
+    if status == 429:
+        return "rate_limit_error"
+    if status in (503, 529):
+        return "overloaded_error"
+    if status >= 500:
+        return "api_error"
+    return "invalid_request_error"
+
+
+def error_body(shape: ErrorShape, exc: HttpError) -> dict[str, Any]:
+    """The JSON body of an error answer on a route of this shape."""
+    if shape == "anthropic":
+        return {"type": "error", "error": {"type": anthropic_type(exc.status), "message": str(exc)}}
+    return {"error": {"message": str(exc), "type": exc.type, "code": exc.code, "param": None}}
+
+
+def stream_error(shape: ErrorShape, message: str, *, status: int, code: str) -> bytes:
+    """The SSE event that tells a client its stream broke after it began (the status is
+    sent already): Anthropic's `event: error`, or OpenAI's `data: {"error": ...}`."""
+    if shape == "anthropic":
+        body = {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    body = {"error": {"message": message, "type": "upstream_error", "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
