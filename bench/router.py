@@ -10,6 +10,12 @@ p50 latency and its CPU time per request (from /proc).
 
     .venv/bin/python bench/router.py [--seconds 4] [--router-core 0] [--client-core 1]
                                      [--chunk-gap-ms 0] [--only direct|router]
+                                     [--workers 1,2]
+
+`--workers 1,2` runs the router once per count (`workers: N`, router-only mode's
+SO_REUSEPORT processes); with N > 1 the router may use cores router-core ..
+router-core+N-1 (on a 2-core machine that includes the load generator's core),
+and its CPU per request sums the supervisor and every worker.
 
 For scale, LiteLLM's proxy on this machine in the same setup: +11.5 ms p50 at
 concurrency 1; 88-125 requests/s non-streaming and 32-44 streamed; at
@@ -287,6 +293,30 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
 
 
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU time of `pid` and of its live children (a supervisor and its workers)."""
+    total = _cpu_seconds(pid)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                total += _cpu_seconds(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def _wait_log(path: Path, text: str, count: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.read_text(errors="replace").count(text) >= count:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{count} x {text!r} not in {path} after {timeout:g} s")
+
+
 def _wait_port(port: int, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -313,6 +343,11 @@ def main() -> int:
     parser.add_argument("--server", choices=["lean", "hypercorn"], default="lean")
     parser.add_argument("--stream", choices=["both", "no", "yes"], default="both")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64])
+    parser.add_argument(
+        "--workers",
+        default="1",
+        help="router worker counts to run, comma-separated (e.g. 1,2); default 1",
+    )
     parser.add_argument("--_upstream", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--_load", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -325,9 +360,8 @@ def main() -> int:
         return 0
 
     cores = os.cpu_count() or 1
-    pin_router = ["taskset", "-c", str(args.router_core)] if cores > 1 else []
     pin_client = ["taskset", "-c", str(args.client_core)] if cores > 1 else []
-    up_port, router_port = _free_port(), _free_port()
+    up_port = _free_port()
     procs: list[subprocess.Popen[bytes]] = []
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     try:
@@ -346,87 +380,106 @@ def main() -> int:
             )
         )
         _wait_port(up_port)
-        cfg = tmp / "router.yaml"
-        cfg.write_text(
-            f"listen: 127.0.0.1:{router_port}\n"
-            f"endpoints:\n  - {{model: {MODEL}, engine: vllm, url: 'http://127.0.0.1:{up_port}'}}\n"
-            f"keys:\n  - {{key: {KEY}, tenant: bench}}\n"
-            f"concurrency: 4096\nlog_level: WARNING\nserver: {args.server}\n"
-        )
-        router_log = open(tmp / "router.log", "wb")  # noqa: SIM115 - as long as the router runs
-        router = subprocess.Popen(
-            [
-                *pin_router,
-                sys.executable,
-                *os.environ.get("BENCH_ROUTER_PY", "-m llmgw.router").split(),
-                "--config",
-                str(cfg),
-            ],
-            stdout=router_log,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append(router)
-        _wait_port(router_port)
-
+        worker_counts = [int(w) for w in args.workers.split(",") if w.strip()]
         print(
             f"llmgw router benchmark: Python {platform.python_version()}, "
             f"hypercorn {version('hypercorn')}, h11 {version('h11')}, trio {version('trio')}; "
-            f"router server: {args.server}; {cores} cores; router on core {args.router_core}, "
+            f"router server: {args.server}; {cores} cores; router on core {args.router_core}"
+            f"{' (and the next, for each worker more)' if max(worker_counts) > 1 else ''}, "
             "load generator and upstream on "
             f"core {args.client_core}; {args.seconds:g} s per run; streamed = {CHUNKS} chunks"
             f"{f' {args.chunk_gap_ms:g} ms apart' if args.chunk_gap_ms else ', back to back'}"
         )
         header = (
-            f"{'mode':<8}{'stream':<8}{'conc':>5}{'p50 ms':>10}{'p99 ms':>10}{'req/s':>10}"
-            f"{'+p50 ms':>10}{'cpu/req ms':>12}{'errors':>8}"
+            f"{'mode':<8}{'workers':>8}{'stream':>7}{'conc':>5}{'p50 ms':>10}{'p99 ms':>10}"
+            f"{'req/s':>10}{'+p50 ms':>10}{'cpu/req ms':>12}{'errors':>8}"
         )
         print(header)
         print("-" * len(header))
         direct_p50: dict[tuple[bool, int], float] = {}
         streams = {"both": (False, True), "no": (False,), "yes": (True,)}[args.stream]
-        for stream in streams:
-            for conc in args.concurrency:
-                for mode in ("direct", "router"):
-                    if args.only and mode != args.only:
-                        continue
-                    port = up_port if mode == "direct" else router_port
-                    cpu0 = _cpu_seconds(router.pid)
-                    out = subprocess.run(
-                        [
-                            *pin_client,
-                            sys.executable,
-                            __file__,
-                            "--_load",
-                            str(port),
-                            "1" if stream else "0",
-                            str(conc),
-                            str(args.seconds),
-                        ],
-                        capture_output=True,
-                        check=True,
-                    ).stdout
-                    cpu = _cpu_seconds(router.pid) - cpu0
-                    res = json.loads(out)
-                    lat = res["latencies"]
-                    p50, p99 = _pct(lat, 0.5) * 1000, _pct(lat, 0.99) * 1000
-                    rps = len(lat) / res["elapsed"]
-                    # The warm-up's requests burn CPU too: count them at the measured rate.
-                    n_all = len(lat) * (1 + 0.3 / res["elapsed"])
-                    added = ""
-                    cpu_req = ""
-                    if mode == "direct":
-                        direct_p50[(stream, conc)] = p50
-                    else:
-                        if (stream, conc) in direct_p50:
-                            added = f"{p50 - direct_p50[(stream, conc)]:+.2f}"
-                        cpu_req = f"{cpu / n_all * 1000:.3f}"
-                    print(
-                        f"{mode:<8}{'yes' if stream else 'no':<8}{conc:>5}{p50:>10.2f}{p99:>10.2f}"
-                        f"{rps:>10.0f}{added:>10}{cpu_req:>12}{res['n_errors']:>8}",
-                        flush=True,
-                    )
-                    if res["errors"]:
-                        print(f"   errors: {res['errors']}")
+        for n_workers in worker_counts:
+            router_port = _free_port()
+            cfg = tmp / f"router-{n_workers}.yaml"
+            cfg.write_text(
+                f"listen: 127.0.0.1:{router_port}\n"
+                f"endpoints:\n  - {{model: {MODEL}, engine: vllm, "
+                f"url: 'http://127.0.0.1:{up_port}'}}\n"
+                f"keys:\n  - {{key: {KEY}, tenant: bench}}\n"
+                f"concurrency: 4096\nlog_level: INFO\nserver: {args.server}\n"
+                f"workers: {n_workers}\n"
+            )
+            router_cores = ",".join(
+                str((args.router_core + i) % cores) for i in range(min(n_workers, cores))
+            )
+            pin_router = ["taskset", "-c", router_cores] if cores > 1 else []
+            log_path = tmp / f"router-{n_workers}.log"
+            router_log = open(log_path, "wb")  # noqa: SIM115 - as long as the router runs
+            router = subprocess.Popen(
+                [
+                    *pin_router,
+                    sys.executable,
+                    *os.environ.get("BENCH_ROUTER_PY", "-m llmgw.router").split(),
+                    "--config",
+                    str(cfg),
+                ],
+                stdout=router_log,
+                stderr=subprocess.STDOUT,
+            )
+            procs.append(router)
+            _wait_port(router_port)
+            _wait_log(log_path, "router listening", n_workers)
+            for stream in streams:
+                for conc in args.concurrency:
+                    for mode in ("direct", "router"):
+                        if args.only and mode != args.only:
+                            continue
+                        if mode == "direct" and (stream, conc) in direct_p50:
+                            continue  # measured once, for the first worker count
+                        port = up_port if mode == "direct" else router_port
+                        cpu0 = _tree_cpu_seconds(router.pid)
+                        out = subprocess.run(
+                            [
+                                *pin_client,
+                                sys.executable,
+                                __file__,
+                                "--_load",
+                                str(port),
+                                "1" if stream else "0",
+                                str(conc),
+                                str(args.seconds),
+                            ],
+                            capture_output=True,
+                            check=True,
+                        ).stdout
+                        cpu = _tree_cpu_seconds(router.pid) - cpu0
+                        res = json.loads(out)
+                        lat = res["latencies"]
+                        p50, p99 = _pct(lat, 0.5) * 1000, _pct(lat, 0.99) * 1000
+                        rps = len(lat) / res["elapsed"]
+                        # The warm-up's requests burn CPU too: count them at the measured rate.
+                        n_all = len(lat) * (1 + 0.3 / res["elapsed"])
+                        added = ""
+                        cpu_req = ""
+                        shown = "-" if mode == "direct" else str(n_workers)
+                        if mode == "direct":
+                            direct_p50[(stream, conc)] = p50
+                        else:
+                            if (stream, conc) in direct_p50:
+                                added = f"{p50 - direct_p50[(stream, conc)]:+.2f}"
+                            cpu_req = f"{cpu / n_all * 1000:.3f}"
+                        print(
+                            f"{mode:<8}{shown:>8}{'yes' if stream else 'no':>7}{conc:>5}"
+                            f"{p50:>10.2f}{p99:>10.2f}{rps:>10.0f}{added:>10}{cpu_req:>12}"
+                            f"{res['n_errors']:>8}",
+                            flush=True,
+                        )
+                        if res["errors"]:
+                            print(f"   errors: {res['errors']}")
+            router.send_signal(signal.SIGTERM)
+            router.wait(10)
+            procs.remove(router)
+            router_log.close()
         _ = statistics  # (kept for quick ad-hoc analysis)
     finally:
         for p in procs:

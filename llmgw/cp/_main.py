@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.load(args.config, config.ServerConfig)
         catalog = CatalogFile(args.config, _catalog_file.read(args.config))
         router_cfg = config.structure(cfg.router, RouterConfig, str(args.config), at="router")
+        if router_cfg.workers > 1:
+            raise ConfigError(
+                f"{args.config}: router.workers: {router_cfg.workers}: router.workers > 1 is "
+                "supported by llmgw-router only, not yet inside llmgw-cp (set it to 1)"
+            )
         # Before anything starts: a missing file is named by its key, not only its path.
         config.check_tls_files(cfg.tls, args.config)
     except ConfigError as exc:

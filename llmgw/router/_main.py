@@ -1,6 +1,6 @@
 """Router-only mode: the router alone, in front of a static list of endpoints.
 
-    llmgw-router --config router.yaml          serve
+    llmgw-router --config router.yaml          serve (workers: N > 1: N processes, supervised)
     llmgw-router keys --db keys.db create --tenant acme [--model M ...] [--band B] [--max-band B]
     llmgw-router keys --db keys.db list
     llmgw-router keys --db keys.db revoke KEY_ID
@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import partial
@@ -141,6 +143,19 @@ def parse(data: Any, source: str) -> tuple[RouterFile, RouterConfig, list[Endpoi
             endpoints.append(Endpoint(eid, decl.model, decl.engine, url.hostname, port, decl.slots))
         if file_cfg.server not in ("lean", "hypercorn"):
             problems.append(f"{source}: server: {file_cfg.server!r} is not lean or hypercorn")
+        if router_cfg is not None and router_cfg.workers > 1:
+            if file_cfg.server != "lean":
+                problems.append(
+                    f"{source}: workers: {router_cfg.workers} needs server: lean (the "
+                    f"workers share the port with SO_REUSEPORT), got server: {file_cfg.server!r}"
+                )
+            if file_cfg.metrics_listen is not None:
+                _, mport = config.split_host_port(file_cfg.metrics_listen)
+                if mport and mport + router_cfg.workers - 1 > 65535:
+                    problems.append(
+                        f"{source}: metrics_listen: worker i serves its metrics on port "
+                        f"{mport}+i, and {mport}+{router_cfg.workers - 1} is above 65535"
+                    )
         if not file_cfg.keys and file_cfg.keys_db is None:
             problems.append(f"{source}: keys or keys_db: the router needs API keys to admit anyone")
         if router_cfg is not None:
@@ -267,16 +282,25 @@ async def serve(
     router_cfg: RouterConfig,
     endpoints: list[Endpoint],
     *,
+    worker: int = 0,
+    port: int | None = None,
     task_status: trio.TaskStatus[Router] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    """Serve the router; with `router_cfg.workers` > 1, as worker `worker` of them, on
+    `port` (the supervisor's, shared with SO_REUSEPORT) and metrics on metrics_listen's
+    port + `worker`. A worker stops when its supervisor is gone."""
     keys: KeyStore = static_keys(file_cfg.keys)
     db: SqliteKeyStore | None = None
     if file_cfg.keys_db is not None:
         db = SqliteKeyStore(file_cfg.keys_db)
         keys = _ChainedKeys(static_keys(file_cfg.keys), db) if file_cfg.keys else db
     router = Router(
-        router_cfg, StaticEndpoints(endpoints), CachedKeys(keys, router_cfg.key_cache_ttl_s)
+        router_cfg,
+        StaticEndpoints(endpoints),
+        CachedKeys(keys, router_cfg.key_cache_ttl_s),
+        worker=worker,
     )
+    workers = router_cfg.workers
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(router.run)
@@ -288,19 +312,29 @@ async def serve(
                     _hypercorn(file_cfg.listen, router_cfg),
                 )
             else:
-                host, port = config.split_host_port(file_cfg.listen)
-                await nursery.start(partial(_server.serve, limits=limits), router.app, host, port)
+                host, listen_port = config.split_host_port(file_cfg.listen)
+                listen_port = await nursery.start(
+                    partial(_server.serve, limits=limits, reuse_port=workers > 1),
+                    router.app,
+                    host,
+                    listen_port if port is None else port,
+                )
+            metrics_at = ""
             if file_cfg.metrics_listen:
-                host, port = config.split_host_port(file_cfg.metrics_listen)
-                await nursery.start(_server.serve, metrics_app(router), host, port)
+                host, mport = config.split_host_port(file_cfg.metrics_listen)
+                mport = await nursery.start(
+                    _server.serve, metrics_app(router), host, mport + worker if mport else 0
+                )
+                metrics_at = f"; metrics on http://{host}:{mport}/metrics"
+            if workers > 1:
+                nursery.start_soon(_exit_with_parent, os.getppid(), nursery.cancel_scope)
             log.info(
-                "router listening on http://%s for %d endpoints of %d models%s",
-                file_cfg.listen,
+                "router listening on http://%s for %d endpoints of %d models%s%s",
+                file_cfg.listen if port is None else f"{host}:{port}",
                 len(endpoints),
                 len({e.model for e in endpoints}),
-                f"; metrics on http://{file_cfg.metrics_listen}/metrics"
-                if file_cfg.metrics_listen
-                else "",
+                metrics_at,
+                f" (worker {worker} of {workers}, pid {os.getpid()})" if workers > 1 else "",
             )
             task_status.started(router)
     finally:
@@ -321,15 +355,137 @@ def main(argv: list[str] | None = None) -> int:
         help="router.yaml (default: $LLMGW_ROUTER_CONFIG or /etc/llmgw/router.yaml)",
     )
     parser.add_argument("--log-level", default=None)
+    # Set by the supervisor for the worker processes it starts (workers: N > 1).
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(args)
     try:
         file_cfg, router_cfg, endpoints = load(ns.config)
+        if ns.worker is not None and not 0 <= ns.worker < router_cfg.workers:
+            raise ConfigError(
+                f"{ns.config}: workers: {router_cfg.workers}, but this is worker {ns.worker} "
+                f"(the file changed under a running router?)"
+            )
     except ConfigError as exc:
         setup_logging(ns.log_level)
         print(f"llmgw-router: {exc}", file=sys.stderr)
         return 2
     setup_logging(ns.log_level or file_cfg.log_level)
-    return run_service("llmgw-router", lambda: serve(file_cfg, router_cfg, endpoints))
+    if router_cfg.workers > 1 and ns.worker is None:
+        return run_service(
+            "llmgw-router", lambda: supervise(ns.config, file_cfg, router_cfg, ns.log_level)
+        )
+    name = "llmgw-router" if ns.worker is None else f"llmgw-router worker {ns.worker}"
+    return run_service(
+        name,
+        lambda: serve(file_cfg, router_cfg, endpoints, worker=ns.worker or 0, port=ns.port),
+    )
+
+
+# --- workers -------------------------------------------------------------------------------
+
+# A worker that dies sooner than this after its start is restarted after a pause
+# (no hot loop on a crash at startup); one stopped by SIGTERM gets this long to exit.
+_QUICK_DEATH_S = 5.0
+_RESTART_PAUSE_S = 1.0
+_STOP_GRACE_S = 5.0
+
+
+def _hold_port(source: str, host: str, port: int) -> socket.socket:
+    """Bind (never listen) host:port with SO_REUSEPORT: a busy port fails here, once, and
+    port 0 becomes one port for every worker. Not listening, it takes no connections."""
+    family, type_, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"{source}: listen: cannot bind {host}:{port}: {exc.strerror or exc} "
+            f"(another process there without SO_REUSEPORT?)"
+        ) from None
+    return sock
+
+
+async def supervise(
+    path: Path,
+    file_cfg: RouterFile,
+    router_cfg: RouterConfig,
+    log_level: str | None,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run `router_cfg.workers` worker processes of this router on one port until
+    cancelled (SIGTERM to each, then SIGKILL after `_STOP_GRACE_S`); restart any that
+    dies. A worker's configuration error (exit 2) stops them all (the file is broken)."""
+    host, port = config.split_host_port(file_cfg.listen)
+    holder = _hold_port(str(path), host, port)
+    port = int(holder.getsockname()[1])
+    workers = router_cfg.workers
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(workers):
+                argv = [sys.executable, "-m", "llmgw.router", "--config", str(path)]
+                argv += ["--worker", str(i), "--port", str(port)]
+                if log_level:
+                    argv += ["--log-level", log_level]
+                nursery.start_soon(_keep_worker, i, argv)
+            log.info(
+                "router: %d workers on http://%s:%d (pid %d supervises)",
+                workers,
+                host,
+                port,
+                os.getpid(),
+            )
+            task_status.started(port)
+    finally:
+        holder.close()
+
+
+async def _keep_worker(index: int, argv: list[str]) -> None:
+    while True:
+        started = trio.current_time()
+        proc = await trio.lowlevel.open_process(argv)
+        log.info("router worker %d started (pid %d)", index, proc.pid)
+        try:
+            code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                with trio.CancelScope(shield=True):
+                    proc.send_signal(signal.SIGTERM)
+                    with trio.move_on_after(_STOP_GRACE_S):
+                        await proc.wait()
+                    if proc.returncode is None:
+                        log.warning("router worker %d (pid %d) killed", index, proc.pid)
+                        proc.kill()
+                        await proc.wait()
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        if code == 2:
+            raise ConfigError(f"router worker {index} (pid {proc.pid}): {how}, see its log")
+        lived = trio.current_time() - started
+        log.warning(
+            "router worker %d (pid %d) ended after %.1f s (%s); restarting",
+            index,
+            proc.pid,
+            lived,
+            how,
+        )
+        if lived < _QUICK_DEATH_S:
+            await trio.sleep(_RESTART_PAUSE_S)
+
+
+async def _exit_with_parent(parent: int, scope: trio.CancelScope) -> None:
+    """Stop this worker when its supervisor is gone (killed without stopping us)."""
+    while True:
+        await trio.sleep(1.0)
+        if os.getppid() != parent:
+            break
+    log.warning("router worker: supervisor %d is gone, stopping", parent)
+    scope.cancel()
 
 
 def keys_main(argv: list[str]) -> int:

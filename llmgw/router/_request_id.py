@@ -34,8 +34,8 @@ def new() -> str:
     return f"{_PREFIX}-{next(_COUNTER)}"
 
 
-def tagged(send: Send, request_id: str) -> Send:
-    """`send`, with the request id headers added to the response head."""
+def tagged(send: Send, request_id: str, extra: tuple[tuple[bytes, bytes], ...] = ()) -> Send:
+    """`send`, with the request id headers (and `extra`) added to the response head."""
     own = request_id.encode()
 
     async def send_tagged(message: Message) -> None:
@@ -47,6 +47,7 @@ def tagged(send: Send, request_id: str) -> Send:
             else:
                 headers.append((HEADER, own))
             headers.append((OWN_HEADER, own))
+            headers.extend(extra)
             message["headers"] = headers
         await send(message)
 

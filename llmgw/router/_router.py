@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import random
 import re
 import time
@@ -57,6 +58,7 @@ _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 # Above this the C decoder may meet the interpreter's recursion limit, whose
 # headroom depends on how deep the serving task's stack already is.
 MAX_JSON_DEPTH = 512
+MAX_WORKERS = 64
 
 log = logging.getLogger("llmgw.router")
 
@@ -102,6 +104,19 @@ def _non_negative(_: object, attribute: attrs.Attribute[Any], value: int) -> Non
         raise BoundError(attribute.name, f"must be ≥ 0 (got {value})")
 
 
+def share(total: int, index: int, workers: int) -> int:
+    """Worker `index`'s part of a limit of `total` split between `workers` processes.
+
+    The parts add up to `total` (the first `total % workers` workers get one more),
+    except that a limit of 1 or more is never split into a 0: with fewer than
+    `workers`, every worker gets 1 and together they admit up to `workers`.
+    """
+    if workers <= 1 or total <= 0:
+        return total
+    part = total // workers + (1 if index < total % workers else 0)
+    return max(part, 1)
+
+
 @attrs.define(kw_only=True, frozen=True)
 class RouterConfig:
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
@@ -133,6 +148,9 @@ class RouterConfig:
     client_body_timeout_s: float = attrs.field(default=60.0, validator=positive(86400))
     client_keepalive_s: float = attrs.field(default=75.0, validator=positive(3600))
     max_head_bytes: int = attrs.field(default=32768, validator=between(1024, 1 << 20))
+    # Processes serving the router listener (SO_REUSEPORT, the kernel spreads the
+    # connections); each admits its share of every limit (`share`). llmgw-router only.
+    workers: int = attrs.field(default=1, validator=between(1, MAX_WORKERS))
 
     def __attrs_post_init__(self) -> None:
         AdmissionConfig(
@@ -205,8 +223,19 @@ class Router:
         *,
         registry: CollectorRegistry | None = None,
         rng: random.Random | None = None,
+        worker: int = 0,
     ) -> None:
+        """`worker`: this process's index among `config.workers` (its share of the limits)."""
+        if not 0 <= worker < config.workers:
+            raise ValueError(f"worker must be 0 to {config.workers - 1} (workers), got {worker}")
         self.config = config
+        self.worker = worker
+        # With several workers, every response names the one that served it.
+        self._worker_headers: tuple[tuple[bytes, bytes], ...] = (
+            ((b"x-llmgw-worker", f"{worker}; pid={os.getpid()}".encode()),)
+            if config.workers > 1
+            else ()
+        )
         self._source = endpoints
         self.keys = (
             keys if isinstance(keys, CachedKeys) else CachedKeys(keys, config.key_cache_ttl_s)
@@ -364,13 +393,15 @@ class Router:
         if not model.endpoints:
             return 0
         if self.config.concurrency is not None:
-            return self.config.concurrency
-        return sum(s.slots or self.config.slots_per_endpoint for s in model.endpoints)
+            total = self.config.concurrency
+        else:
+            total = sum(s.slots or self.config.slots_per_endpoint for s in model.endpoints)
+        return share(total, self.worker, self.config.workers)
 
     def _new_admission(self, name: str) -> Admission:
         cfg = AdmissionConfig(
             concurrency=0,
-            queue_limit=self.config.queue_limit,
+            queue_limit=share(self.config.queue_limit, self.worker, self.config.workers),
             bands=tuple(self.config.bands),
         )
         return Admission(cfg, name=name)
@@ -411,7 +442,7 @@ class Router:
         if method == "HEAD":  # answered as GET; the server sends the head only
             method = "GET"
         rid = _request_id.new()
-        send = _request_id.tagged(send, rid)
+        send = _request_id.tagged(send, rid, self._worker_headers)
         rid_token = _request_id.CURRENT.set(rid)
         route = _surface.ROUTES.get(path)
         ex = _Exchange()

@@ -395,11 +395,19 @@ async def serve(
     *,
     limits: Limits | None = None,
     backlog: int = 4096,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` on host:port until cancelled; `task_status.started(port)`."""
+    """Serve `app` on host:port until cancelled; `task_status.started(port)`.
+
+    `reuse_port`: bind with SO_REUSEPORT, beside other processes on the same
+    address (router workers); the kernel spreads new connections between them.
+    """
     lim = limits or Limits()
-    listeners = await trio.open_tcp_listeners(port, host=host, backlog=backlog)
+    if reuse_port:
+        listeners = await reuse_port_listeners(host, port, backlog)
+    else:
+        listeners = await trio.open_tcp_listeners(port, host=host, backlog=backlog)
     bound = int(listeners[0].socket.getsockname()[1])
     server = (host, bound)
 
@@ -409,6 +417,33 @@ async def serve(
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handler, listeners)
         task_status.started(bound)
+
+
+async def reuse_port_listeners(host: str, port: int, backlog: int) -> list[trio.SocketListener]:
+    """Listening sockets on each address of host:port, bound with SO_REUSEPORT."""
+    infos = await trio.socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    listeners = []
+    try:
+        for family, type_, proto, _, addr in infos:
+            sock = trio.socket.socket(family, type_, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                await sock.bind(addr)
+                sock.listen(backlog)
+            except BaseException:
+                sock.close()
+                raise
+            listeners.append(trio.SocketListener(sock))
+    except BaseException:
+        for listener in listeners:
+            listener.socket.close()
+        raise
+    return listeners
 
 
 async def _connection(
