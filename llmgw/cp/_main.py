@@ -21,6 +21,7 @@ from llmgw.cp._catalog_file import CatalogFile
 from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
 from llmgw.errors import ConfigError
 from llmgw.router import Router, RouterConfig, SqliteKeyStore, listener_limits, serve_http
 from llmgw.rpc import CapnpThread, Deadlines, HandshakeLimits, _tls
@@ -43,17 +44,25 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.load(args.config, config.ServerConfig)
         catalog = CatalogFile(args.config, _catalog_file.read(args.config))
         router_cfg = config.structure(cfg.router, RouterConfig, str(args.config), at="router")
-        if router_cfg.workers > 1:
+        if router_cfg.workers > 1 and cfg.router_listen is None:
             raise ConfigError(
-                f"{args.config}: router.workers: {router_cfg.workers}: router.workers > 1 is "
-                "supported by llmgw-router only, not yet inside llmgw-cp (set it to 1)"
+                f"{args.config}: router.workers: {router_cfg.workers}, but router_listen is "
+                "null: workers serve router_listen (set it, or set router.workers to 1)"
+            )
+        sock = cfg.state_dir / SOCKET_NAME
+        if router_cfg.workers > 1 and len(os.fsencode(sock)) > 107:
+            raise ConfigError(
+                f"{args.config}: router.workers: {router_cfg.workers}: the workers' socket "
+                f"{sock} is longer than a Unix socket path may be (107 bytes): shorten state_dir"
             )
         # Before anything starts: a missing file is named by its key, not only its path.
         config.check_tls_files(cfg.tls, args.config)
     except ConfigError as exc:
         print(f"llmgw-cp: {exc}", file=sys.stderr)
         return 2
-    return run_service("llmgw-cp", lambda: serve(cfg, catalog, router_cfg))
+    return run_service(
+        "llmgw-cp", lambda: serve(cfg, catalog, router_cfg, log_level=args.log_level)
+    )
 
 
 async def serve(
@@ -61,6 +70,7 @@ async def serve(
     catalog: CatalogFile,
     router_cfg: RouterConfig | None = None,
     *,
+    log_level: str | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
@@ -91,8 +101,26 @@ async def serve(
     catalog.on_change = catalog_changed
     keys = SqliteKeyStore(cfg.state_dir / "keys.sqlite")
     router = Router(router_cfg or RouterConfig(), endpoints, keys)
+    workers = router.config.workers if cfg.router_listen is not None else 1
+    # Workers 1..N-1 run in processes of their own (llmgw/cp/_workers.py); this one is 0.
+    hub = (
+        WorkerHub(
+            endpoints, workers, cfg.router, keys.path, config.split_host_port(cfg.admin_listen)
+        )
+        if workers > 1
+        else None
+    )
+
+    def in_flight(replica: str, node: str) -> int | None:
+        eid = endpoint_id(replica, node)
+        mine = router.in_flight(eid)  # first: it re-reads the view the workers must match
+        if hub is None:
+            return mine
+        theirs = hub.in_flight(eid)
+        return None if theirs is None else mine + theirs
+
     if cfg.router_listen is not None:  # else no requests pass here: in flight is unknown
-        reconciler.in_flight = lambda replica, node: router.in_flight(endpoint_id(replica, node))
+        reconciler.in_flight = in_flight
     admin = AdminApp(
         registry,
         read_admin_key(key_path),
@@ -127,8 +155,22 @@ async def serve(
             # 45% of the router's CPU (llmgw/router/_server.py says more).
             host, port = config.split_host_port(cfg.router_listen)
             limits = listener_limits(router.config)
-            bound = await nursery.start(partial(serve_http, limits=limits), router.app, host, port)
-            log.info("router: OpenAI API on http://%s:%d/v1", host, bound)
+            bound = await nursery.start(
+                partial(serve_http, limits=limits, reuse_port=hub is not None),
+                router.app,
+                host,
+                port,
+            )
+            if hub is not None:
+                sock = cfg.state_dir / SOCKET_NAME
+                await nursery.start(hub.serve, sock)
+                await nursery.start(supervise, workers, sock, host, bound, log_level)
+            log.info(
+                "router: OpenAI API on http://%s:%d/v1%s",
+                host,
+                bound,
+                f" ({workers} workers, this is 0)" if hub is not None else "",
+            )
         log.info(
             "control plane ready: agents on %s:%d, admin API on http://%s",
             rpc_host,

@@ -106,7 +106,7 @@ class Reconciler:
         # is the router's count (None: no router here, so unknown); `on_retiring` is
         # called when the set of retiring replicas changes (the endpoints re-read it).
         self.drain_timeout_s = drain_timeout_s
-        self.in_flight: Callable[[str, str], int] | None = None
+        self.in_flight: Callable[[str, str], int | None] | None = None  # None: unknown
         self.on_retiring: Callable[[], None] | None = None
         self._retiring: dict[str, float] = {}  # replica id -> first pass that showed it retiring
 

@@ -227,18 +227,29 @@ def test_two_workers_spread_divide_restart_and_stop(
             os.kill(pid, 0)
 
 
-def test_control_plane_refuses_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Inside llmgw-cp the fleet view lives in one process: workers > 1 is refused."""
+def test_control_plane_refuses_workers_without_router_listen(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Inside llmgw-cp the workers serve router_listen (tests/cp/test_cp_workers.py): none
+    to serve, workers > 1 is refused."""
     from llmgw.cp._main import main as cp_main
 
     server = tmp_path / "server.yaml"
     server.write_text(
         f"state_dir: {tmp_path / 'state'}\n"
         "tls: {ca: /nonexistent/ca.crt, cert: /nonexistent/s.crt, key: /nonexistent/s.key}\n"
+        "router_listen: null\n"
         "router:\n  workers: 2\n"
     )
     assert cp_main(["--config", str(server)]) == 2
     assert (
-        "router.workers > 1 is supported by llmgw-router only, not yet inside llmgw-cp"
+        "router.workers: 2, but router_listen is null: workers serve router_listen"
         in capsys.readouterr().err
     )
+    server.write_text(
+        f"state_dir: {tmp_path / ('s' * 110)}\n"
+        "tls: {ca: /nonexistent/ca.crt, cert: /nonexistent/s.crt, key: /nonexistent/s.key}\n"
+        "router:\n  workers: 2\n"
+    )
+    assert cp_main(["--config", str(server)]) == 2
+    assert "is longer than a Unix socket path may be (107 bytes)" in capsys.readouterr().err

@@ -1,0 +1,367 @@
+"""Router workers inside the control plane (`router.workers: N` in server.yaml).
+
+The control plane keeps worker 0 in its own process, as with one worker, and
+starts N-1 worker processes (`python -m llmgw.cp._worker`), each listening on
+router_listen with SO_REUSEPORT, so the kernel spreads connections between
+them; each admits its `share()` of the limits. They talk to the control plane
+over one Unix socket in state_dir (`router.sock`, mode 0600), one connection per
+worker, JSON lines both ways:
+
+    worker -> cp   {"hello": i, "pid": P}                           once
+    cp -> worker   {"router": {...}, "keys": PATH}                  once (server.yaml's router:)
+    cp -> worker   {"version": V, "endpoints": {model: [[id, model, engine, host, port, slots]]}}
+                   at once, then whenever the fleet view's version moves (checked every 100 ms)
+    worker -> cp   {"version": V, "in_flight": {endpoint id: n}}    every 200 ms, and at once
+                   after applying a new view (absent ids: 0)
+
+A persistent connection rather than HTTP polling: the view reaches a worker
+within about 100 ms of a change with no request per poll, and the connection
+itself is the liveness signal both ways: a worker whose control plane is gone
+(even killed) reads EOF and exits; a worker that is gone drops its report.
+
+`in_flight(endpoint id)` (what a drain waits on) sums the control plane's own
+count with every worker's last report, and is None (unknown: the drain waits
+for drain_timeout_s, as it does without a router) while any worker has not
+reported within `STALE_S`, or its report is for an older view than the one the
+control plane lists now: only a worker that has applied the view without a
+retiring replica can say it will send it nothing new.
+
+Worker i serves its own `/metrics` on the admin listener's port + i (worker 0's are
+the admin listener's own); a worker that cannot bind there routes without metrics.
+Workers open keys.sqlite themselves; their key cache (key_cache_ttl_s) bounds how
+long a revoked key is still admitted there, as in the control plane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from llmgw import config
+from llmgw._process import run_service, setup_logging
+from llmgw.router import Router, RouterConfig, SqliteKeyStore, listener_limits, serve_http
+from llmgw.router._main import _keep_worker, metrics_app
+from llmgw.router._types import Endpoint, EndpointSource
+
+log = logging.getLogger("llmgw.cp.workers")
+
+SOCKET_NAME = "router.sock"
+STALE_S = 1.0  # a worker not heard from for this long: in-flight counts unknown
+_PUSH_EVERY_S = 0.1
+_REPORT_EVERY_S = 0.2
+_MAX_LINE = 64 << 20
+
+
+class _Lines:
+    """JSON values, one per line, from a stream."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self._stream = stream
+        self._buf = bytearray()
+
+    async def next(self) -> Any:
+        """The next value; EOFError when the peer closed."""
+        while True:
+            i = self._buf.find(b"\n")
+            if i >= 0:
+                line = bytes(self._buf[:i])
+                del self._buf[: i + 1]
+                return json.loads(line)
+            if len(self._buf) > _MAX_LINE:
+                raise ValueError(f"a line longer than {_MAX_LINE} bytes on the worker channel")
+            chunk = await self._stream.receive_some(1 << 16)
+            if not chunk:
+                raise EOFError
+            self._buf += chunk
+
+
+async def _send(stream: trio.abc.SendStream, value: Any) -> None:
+    await stream.send_all(json.dumps(value, separators=(",", ":")).encode() + b"\n")
+
+
+def _encode(source: EndpointSource) -> dict[str, Any]:
+    snap = source.snapshot()
+    return {
+        "version": source.version,
+        "endpoints": {
+            name: [[e.endpoint_id, e.model, e.engine, e.host, e.port, e.slots] for e in eps]
+            for name, eps in snap.items()
+        },
+    }
+
+
+class _Report:
+    def __init__(self, version: int, counts: Mapping[str, int], at: float) -> None:
+        self.version, self.counts, self.at = version, counts, at
+
+
+class WorkerHub:
+    """The control plane's end: serves the channel, keeps the workers' reports."""
+
+    def __init__(
+        self,
+        source: EndpointSource,
+        workers: int,
+        router_section: Mapping[str, Any],
+        keys_path: Path,
+        metrics_at: tuple[str, int] | None = None,
+    ) -> None:
+        """`metrics_at`: the admin listener's host and port; worker i serves its own
+        `/metrics` on that port + i."""
+        self._source = source
+        self.workers = workers
+        self._setup: dict[str, Any] = {"router": dict(router_section), "keys": str(keys_path)}
+        if metrics_at is not None:
+            self._setup["metrics"] = list(metrics_at)
+        self._reports: dict[int, _Report] = {}
+
+    def in_flight(self, endpoint_id: str) -> int | None:
+        """The workers' (1..N-1) requests in flight to the endpoint; None: unknown."""
+        now = time.monotonic()
+        version = self._source.version
+        total = 0
+        for i in range(1, self.workers):
+            r = self._reports.get(i)
+            if r is None or now - r.at > STALE_S or r.version != version:
+                return None
+            total += r.counts.get(endpoint_id, 0)
+        return total
+
+    async def serve(
+        self, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a previous run's
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            old = os.umask(0o177)  # created 0600: only this user may speak for a worker
+            try:
+                await sock.bind(str(path))
+            finally:
+                os.umask(old)
+            sock.listen(64)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(
+                    trio.serve_listeners, self._connection, [trio.SocketListener(sock)]
+                )
+                task_status.started()
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        index: int | None = None
+        try:
+            lines = _Lines(stream)
+            hello = await lines.next()
+            index = int(hello["hello"])
+            if not 1 <= index < self.workers:
+                log.warning("router worker channel: no worker %s (of %d)", index, self.workers)
+                return
+            await _send(stream, self._setup)
+            log.info("router worker %d (pid %s) connected", index, hello.get("pid"))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._push, stream, nursery.cancel_scope)
+                await self._receive(index, lines)
+                nursery.cancel_scope.cancel()
+        except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("router worker %s: bad hello on the channel: %s", index, exc)
+        finally:
+            if index is not None:
+                self._reports.pop(index, None)
+                log.info("router worker %d disconnected", index)
+            await stream.aclose()
+
+    async def _receive(self, index: int, lines: _Lines) -> None:
+        """The worker's reports, until it closes the channel (or breaks it)."""
+        try:
+            while True:
+                msg = await lines.next()
+                counts = {str(k): int(v) for k, v in msg["in_flight"].items()}
+                self._reports[index] = _Report(int(msg["version"]), counts, time.monotonic())
+        except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("router worker %d: bad report on the channel: %s", index, exc)
+
+    async def _push(self, stream: trio.SocketStream, scope: trio.CancelScope) -> None:
+        sent: int | None = None
+        try:
+            while True:
+                if self._source.version != sent:
+                    view = _encode(self._source)
+                    await _send(stream, view)
+                    sent = view["version"]
+                await trio.sleep(_PUSH_EVERY_S)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            scope.cancel()
+
+
+async def supervise(
+    workers: int,
+    socket_path: Path,
+    host: str,
+    port: int,
+    log_level: str | None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep workers 1..N-1 running (restart a dead one); cancel to stop them (SIGTERM,
+    then SIGKILL after 5 s)."""
+    async with trio.open_nursery() as nursery:
+        for i in range(1, workers):
+            argv = [sys.executable, "-m", "llmgw.cp._worker", "--socket", str(socket_path)]
+            argv += ["--worker", str(i), "--host", host, "--port", str(port)]
+            if log_level:
+                argv += ["--log-level", log_level]
+            nursery.start_soon(_keep_worker, i, argv)
+        task_status.started()
+
+
+# --- the worker's end ----------------------------------------------------------------------
+
+
+class RemoteEndpoints:
+    """The control plane's fleet view, as last received."""
+
+    def __init__(self) -> None:
+        self._version = -1
+        self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def snapshot(self) -> Mapping[str, tuple[Endpoint, ...]]:
+        return self._snapshot
+
+    def apply(self, view: Mapping[str, Any]) -> None:
+        self._snapshot = {
+            name: tuple(
+                Endpoint(str(a), str(b), str(c), str(d), int(e), None if f is None else int(f))
+                for a, b, c, d, e, f in eps
+            )
+            for name, eps in view["endpoints"].items()
+        }
+        self._version = int(view["version"])
+
+
+async def run_worker(
+    socket_path: Path,
+    index: int,
+    host_port: tuple[str, int],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """One worker: until the channel closes (the control plane is gone or stopping)."""
+    stream = await trio.open_unix_socket(str(socket_path))
+    async with stream:
+        lines = _Lines(stream)
+        await _send(stream, {"hello": index, "pid": os.getpid()})
+        setup = await lines.next()
+        router_cfg = config.structure(setup["router"], RouterConfig, "server.yaml", at="router")
+        source = RemoteEndpoints()
+        source.apply(await lines.next())
+        keys = SqliteKeyStore(Path(setup["keys"]))
+        router = Router(router_cfg, source, keys, worker=index)
+        seen: set[str] = set()
+
+        async def report() -> None:
+            listed = {e.endpoint_id for eps in source.snapshot().values() for e in eps}
+            seen.update(listed)
+            counts = {eid: n for eid in seen if (n := router.in_flight(eid)) > 0}
+            seen.intersection_update(listed | counts.keys())  # gone and idle: never again
+            await _send(stream, {"version": source.version, "in_flight": counts})
+
+        async def reporter(scope: trio.CancelScope) -> None:
+            try:
+                while True:
+                    await report()
+                    await trio.sleep(_REPORT_EVERY_S)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                log.warning("router worker %d: the control plane is gone, stopping", index)
+                scope.cancel()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(router.run)
+                host, port = host_port
+                await nursery.start(
+                    partial(serve_http, limits=listener_limits(router_cfg), reuse_port=True),
+                    router.app,
+                    host,
+                    port,
+                )
+                nursery.start_soon(reporter, nursery.cancel_scope)
+                metrics_note = ""
+                if setup.get("metrics"):
+                    mhost, mport = str(setup["metrics"][0]), int(setup["metrics"][1]) + index
+                    try:
+                        if mport > 65535:
+                            raise OSError(f"port {mport} is above 65535")
+                        mport = await nursery.start(serve_http, metrics_app(router), mhost, mport)
+                        metrics_note = f"; metrics on http://{mhost}:{mport}/metrics"
+                    except OSError as exc:  # routing matters more than this worker's metrics
+                        log.warning(
+                            "router worker %d: no metrics: cannot listen on %s:%d (admin "
+                            "listener's port + %d): %s",
+                            index,
+                            mhost,
+                            mport,
+                            index,
+                            exc.strerror or exc,
+                        )
+                log.info(
+                    "router worker %d of %d (pid %d) on http://%s:%d%s",
+                    index,
+                    router_cfg.workers,
+                    os.getpid(),
+                    host,
+                    port,
+                    metrics_note,
+                )
+                task_status.started()
+                try:
+                    while True:
+                        source.apply(await lines.next())
+                        router.refresh()
+                        await report()
+                except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    log.warning("router worker %d: the control plane is gone, stopping", index)
+                nursery.cancel_scope.cancel()
+        finally:
+            router.close()
+            keys.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmgw-cp router worker")
+    parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--worker", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--log-level", default=None)
+    ns = parser.parse_args(argv)
+    setup_logging(ns.log_level)
+    return run_service(
+        f"llmgw-cp router worker {ns.worker}",
+        lambda: run_worker(ns.socket, ns.worker, (ns.host, ns.port)),
+    )
