@@ -85,3 +85,67 @@ async def register(
     hello = model.Hello(node_id, "test", inventory or model.Inventory(model.Host(node_id)), shards)
     session, _settings = await registry.register(peer, hello, agent)
     return agent, peer, session
+
+
+# --- a fleet of real processes serving one tiny model ------------------------------------
+
+
+def tiny_catalog(replicas: int) -> list[dict[str, Any]]:
+    """One CPU model served by the fake llama-server."""
+    return [
+        {
+            "name": "tiny",
+            "source": "/models/tiny.gguf",
+            "replicas": replicas,
+            "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}],
+        }
+    ]
+
+
+def start_tiny_fleet(
+    cluster: Any,
+    tmp_path: Path,
+    nodes: list[str],
+    *,
+    engine_env: dict[str, str],
+    router: dict[str, Any] | None = None,
+    **server: Any,
+) -> None:
+    """A control plane and one agent per node, the fake llama-server as their engine.
+
+    `cluster` is a llmgw.testing.cluster.LocalCluster; `engine_env` is passed to the
+    agents (the fake engine reads its behaviour from LLMGW_FAKE_*)."""
+    from llmgw.testing import fake_engine
+
+    llama = fake_engine.install(tmp_path / "bin", "llama-server")
+    cluster.models = tiny_catalog(1)
+    cluster.router_extra.update(router or {})
+    cluster.server_extra.update(server)
+    cluster.setup(nodes)
+    for node in nodes:
+        cluster.write_agent_config(node, engine_paths={"llama-server": str(llama)})
+    cluster.start_cp()
+    for node in nodes:
+        cluster.start_agent(node, env=engine_env)
+
+
+def api_nodes(cluster: Any) -> dict[str, dict[str, Any]]:
+    """The admin API's nodes, by node id."""
+    import httpx
+
+    r = httpx.get(
+        cluster.admin_url + "/api/v1/nodes",
+        headers={"Authorization": f"Bearer {cluster.admin_key}"},
+        timeout=10,
+    )
+    return {n["node_id"]: n for n in r.json()["nodes"]}
+
+
+def ready_shards(cluster: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(node, shard) for every shard the control plane holds as ready."""
+    return [
+        (node, s)
+        for node, n in api_nodes(cluster).items()
+        for s in n["shards"]
+        if s["state"] == "ready"
+    ]

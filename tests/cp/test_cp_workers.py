@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from helpers import alive
+from helpers import alive, ready_shards, start_tiny_fleet
 
-from llmgw.testing import fake_engine
 from llmgw.testing.cluster import LocalCluster, wait_for
 
 TOKENS = 100  # streamed at 0.1 s each: in flight for about 10 s
@@ -30,46 +29,13 @@ _WORKER = re.compile(r"^(\d+); pid=(\d+)$")
 
 
 def start_fleet(cluster: LocalCluster, tmp_path: Path, nodes: list[str], **server: Any) -> None:
-    llama = fake_engine.install(tmp_path / "bin", "llama-server")
-    cluster.models = [
-        {
-            "name": "tiny",
-            "source": "/models/tiny.gguf",
-            "replicas": 1,
-            "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}],
-        }
-    ]
-    cluster.router_extra.update({"workers": 2, "key_cache_ttl_s": 1.0})
-    cluster.server_extra.update(server)
-    cluster.setup(nodes)
-    for node in nodes:
-        cluster.write_agent_config(node, engine_paths={"llama-server": str(llama)})
-    cluster.start_cp()
     env = {
         "LLMGW_FAKE_LOAD_DELAY": "0.5",
         "LLMGW_FAKE_TOKENS": str(TOKENS),
         "LLMGW_FAKE_TOKEN_DELAY": "0.1",
     }
-    for node in nodes:
-        cluster.start_agent(node, env=env)
-
-
-def api_nodes(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
-    r = httpx.get(
-        cluster.admin_url + "/api/v1/nodes",
-        headers={"Authorization": f"Bearer {cluster.admin_key}"},
-        timeout=10,
-    )
-    return {n["node_id"]: n for n in r.json()["nodes"]}
-
-
-def ready_shards(cluster: LocalCluster) -> list[tuple[str, dict[str, Any]]]:
-    return [
-        (node, s)
-        for node, n in api_nodes(cluster).items()
-        for s in n["shards"]
-        if s["state"] == "ready"
-    ]
+    router = {"workers": 2, "key_cache_ttl_s": 1.0}
+    start_tiny_fleet(cluster, tmp_path, nodes, engine_env=env, router=router, **server)
 
 
 def worker_of(response: httpx.Response) -> tuple[int, int]:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from helpers import alive
+from helpers import alive, api_nodes, ready_shards, start_tiny_fleet, tiny_catalog
 
 from llmgw import core, model
 from llmgw.cp._catalog import parse
@@ -28,60 +28,22 @@ from llmgw.cp._registry import NodeRegistry
 from llmgw.errors import NotFound, UsageError
 from llmgw.router import Router, RouterConfig, StaticKeys
 from llmgw.rpc import PeerInfo
-from llmgw.testing import fake_engine
 from llmgw.testing.cluster import LocalCluster, wait_for
 
 TOKENS = 100  # streamed at 0.1 s each: the request is in flight for about 10 s
 
 
-def catalog(replicas: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": "tiny",
-            "source": "/models/tiny.gguf",
-            "replicas": replicas,
-            "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}],
-        }
-    ]
-
-
 def start_fleet(cluster: LocalCluster, tmp_path: Path, nodes: list[str], **server: Any) -> None:
-    llama = fake_engine.install(tmp_path / "bin", "llama-server")
-    cluster.models = catalog(1)
-    cluster.server_extra.update(server)
-    cluster.setup(nodes)
-    for node in nodes:
-        cluster.write_agent_config(node, engine_paths={"llama-server": str(llama)})
-    cluster.start_cp()
     env = {
         "LLMGW_FAKE_LOAD_DELAY": "1.0",
         "LLMGW_FAKE_TOKENS": str(TOKENS),
         "LLMGW_FAKE_TOKEN_DELAY": "0.1",
     }
-    for node in nodes:
-        cluster.start_agent(node, env=env)
-
-
-def api_nodes(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
-    r = httpx.get(
-        cluster.admin_url + "/api/v1/nodes",
-        headers={"Authorization": f"Bearer {cluster.admin_key}"},
-        timeout=10,
-    )
-    return {n["node_id"]: n for n in r.json()["nodes"]}
+    start_tiny_fleet(cluster, tmp_path, nodes, engine_env=env, **server)
 
 
 def replicas(cluster: LocalCluster) -> list[dict[str, Any]]:
     return list(json.loads(cluster.ctl("replicas", "--json").stdout)["replicas"])
-
-
-def ready_shards(cluster: LocalCluster) -> list[tuple[str, dict[str, Any]]]:
-    return [
-        (node, s)
-        for node, n in api_nodes(cluster).items()
-        for s in n["shards"]
-        if s["state"] == "ready"
-    ]
 
 
 def node_row(cluster: LocalCluster, node: str) -> str:
@@ -246,7 +208,7 @@ async def test_endpoints_leave_out_retiring_replicas_and_the_router_still_counts
     registry = NodeRegistry(core.LivenessPolicy())
     shards = (_ready("tiny-a", 9001), _ready("tiny-b", 9002))
     await registry.register(_peer("n1"), _hello("n1", *shards), _Agent())  # type: ignore[arg-type]
-    cat = parse({"models": catalog(2)}, "server.yaml")
+    cat = parse({"models": tiny_catalog(2)}, "server.yaml")
     retiring: set[str] = set()
     endpoints = FleetEndpoints(registry, lambda: cat, lambda: retiring)
     both = {e.endpoint_id for e in endpoints.snapshot()["tiny"]}
@@ -342,7 +304,7 @@ def test_drain_replaces_first_lets_the_request_finish_and_survives_a_restart(
     cluster.cp.terminate()
     cluster.start_cp()
     wait_for("the node back, drained", lambda: "ready,drained" in node_row(cluster, old_node), 30)
-    cluster.write_server_config(catalog(2))
+    cluster.write_server_config(tiny_catalog(2))
 
     def two_ready() -> list[tuple[str, dict[str, Any]]] | None:
         found = ready_shards(cluster)
