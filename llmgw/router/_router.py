@@ -149,7 +149,8 @@ class RouterConfig:
     client_keepalive_s: float = attrs.field(default=75.0, validator=positive(3600))
     max_head_bytes: int = attrs.field(default=32768, validator=between(1024, 1 << 20))
     # Processes serving the router listener (SO_REUSEPORT, the kernel spreads the
-    # connections); each admits its share of every limit (`share`). llmgw-router only.
+    # connections); each admits its share of every limit (`share`). Inside llmgw-cp
+    # the control plane itself is worker 0 (llmgw/cp/_workers.py).
     workers: int = attrs.field(default=1, validator=between(1, MAX_WORKERS))
 
     def __attrs_post_init__(self) -> None:
