@@ -149,3 +149,37 @@ def ready_shards(cluster: Any) -> list[tuple[str, dict[str, Any]]]:
         for s in n["shards"]
         if s["state"] == "ready"
     ]
+
+
+# --- the RPC edge on loopback -----------------------------------------------------------
+
+
+class NullSession:
+    """A NodeSession servant that accepts every message and keeps none."""
+
+    async def heartbeat(self, beat: Any) -> None:
+        pass
+
+    async def shard_status(self, shard: Any) -> None:
+        pass
+
+    async def progress(self, progress: Any) -> None:
+        pass
+
+
+def loopback_pki(directory: Path, node: str = "n1") -> tuple[Any, Any]:
+    """A CA, a server certificate for 127.0.0.1 and an agent certificate for `node`,
+    written to `directory`: (the control plane's TLS context, the agent's)."""
+    from llmgw.ctl import _cert
+    from llmgw.rpc import _tls
+
+    _cert.init_ca(directory)
+    _cert.issue_server(directory, ["127.0.0.1"])
+    _cert.issue_agent(directory, node)
+    server = _tls.server_context(
+        directory / "ca.crt", directory / "server.crt", directory / "server.key"
+    )
+    client = _tls.client_context(
+        directory / "ca.crt", directory / f"agent-{node}.crt", directory / f"agent-{node}.key"
+    )
+    return server, client

@@ -10,27 +10,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import trio
+from helpers import NullSession, loopback_pki
 
 from llmgw import config, model
 from llmgw.agent import discovery
 from llmgw.agent._node import Node
 from llmgw.agent._session import AgentSession, Backoff
-from llmgw.ctl import _cert
 from llmgw.errors import PeerError, RegistrationRefused
-from llmgw.rpc import AgentHandle, CapnpThread, PeerInfo, _tls
+from llmgw.rpc import AgentHandle, CapnpThread, PeerInfo
 from llmgw.testing import fake_nvidia_smi
 from llmgw.testing.cluster import free_port
-
-
-class Session:
-    async def heartbeat(self, beat: model.Heartbeat) -> None:
-        pass
-
-    async def shard_status(self, shard: model.ShardReport) -> None:
-        pass
-
-    async def progress(self, progress: model.Progress) -> None:
-        pass
 
 
 class Standby:
@@ -50,19 +39,11 @@ class Leader:
 
     async def register(self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle):
         self.registered.append(hello.node_id)
-        return Session(), model.Settings(heartbeat_interval_s=60, epoch=1)
+        return NullSession(), model.Settings(heartbeat_interval_s=60, epoch=1)
 
 
 async def test_a_standby_refusal_moves_on_to_the_leader_at_once(tmp_path: Path) -> None:
-    _cert.init_ca(tmp_path)
-    _cert.issue_server(tmp_path, ["127.0.0.1"])
-    _cert.issue_agent(tmp_path, "n1")
-    server_tls = _tls.server_context(
-        tmp_path / "ca.crt", tmp_path / "server.crt", tmp_path / "server.key"
-    )
-    client_tls = _tls.client_context(
-        tmp_path / "ca.crt", tmp_path / "agent-n1.crt", tmp_path / "agent-n1.key"
-    )
+    server_tls, client_tls = loopback_pki(tmp_path, "n1")
     leader = Leader()
     async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
         leader_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, leader)
@@ -101,15 +82,7 @@ async def test_a_standby_refusal_moves_on_to_the_leader_at_once(tmp_path: Path) 
 
 
 def tls_pair(tmp_path: Path, node: str):
-    _cert.init_ca(tmp_path)
-    _cert.issue_server(tmp_path, ["127.0.0.1"])
-    _cert.issue_agent(tmp_path, node)
-    server_tls = _tls.server_context(
-        tmp_path / "ca.crt", tmp_path / "server.crt", tmp_path / "server.key"
-    )
-    client_tls = _tls.client_context(
-        tmp_path / "ca.crt", tmp_path / f"agent-{node}.crt", tmp_path / f"agent-{node}.key"
-    )
+    server_tls, client_tls = loopback_pki(tmp_path, node)
     return server_tls, client_tls
 
 
@@ -160,7 +133,7 @@ class Dropping:
         return DroppingSession(), model.Settings(heartbeat_interval_s=0.05, epoch=1)
 
 
-class DroppingSession(Session):
+class DroppingSession(NullSession):
     async def heartbeat(self, beat: model.Heartbeat) -> None:
         raise PeerError("this control plane is going away")
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import trio
+from helpers import loopback_pki
 
 from llmgw import model
 from llmgw.agent._session import AgentSession, Backoff
-from llmgw.ctl import _cert
-from llmgw.rpc import AgentHandle, CapnpThread, PeerInfo, _tls
+from llmgw.rpc import AgentHandle, CapnpThread, PeerInfo
 
 
 class HangingSession:
@@ -54,15 +54,7 @@ async def test_a_heartbeat_that_is_never_answered_makes_the_agent_reconnect(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="llmgw.agent.session")
-    _cert.init_ca(tmp_path)
-    _cert.issue_server(tmp_path, ["127.0.0.1"])
-    _cert.issue_agent(tmp_path, "n1")
-    server_tls = _tls.server_context(
-        tmp_path / "ca.crt", tmp_path / "server.crt", tmp_path / "server.key"
-    )
-    client_tls = _tls.client_context(
-        tmp_path / "ca.crt", tmp_path / "agent-n1.crt", tmp_path / "agent-n1.key"
-    )
+    server_tls, client_tls = loopback_pki(tmp_path, "n1")
     registry = Registry()
 
     async def inventory() -> model.Inventory:

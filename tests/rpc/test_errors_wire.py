@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import NullSession
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -61,17 +62,6 @@ def client_tls(pki: Path):
     return _tls.client_context(pki / "ca.crt", pki / "agent-n1.crt", pki / "agent-n1.key")
 
 
-class Session:
-    async def heartbeat(self, beat: model.Heartbeat) -> None:
-        pass
-
-    async def shard_status(self, shard: model.ShardReport) -> None:
-        pass
-
-    async def progress(self, progress: model.Progress) -> None:
-        pass
-
-
 class Registry:
     def __init__(self, refuse: BaseException | None = None) -> None:
         self.refuse = refuse
@@ -84,7 +74,7 @@ class Registry:
             raise self.refuse
         self.agents.append(agent)
         self.registered.set()
-        return Session(), model.Settings(heartbeat_interval_s=60, epoch=1)
+        return NullSession(), model.Settings(heartbeat_interval_s=60, epoch=1)
 
 
 class Raising:

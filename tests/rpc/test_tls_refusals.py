@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from helpers import NullSession
 
 from llmgw import model
 from llmgw.ctl import _cert
@@ -28,24 +29,13 @@ HELLO = model.Hello(
 NOW = dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
-class Session:
-    async def heartbeat(self, beat: model.Heartbeat) -> None:
-        pass
-
-    async def shard_status(self, shard: model.ShardReport) -> None:
-        pass
-
-    async def progress(self, progress: model.Progress) -> None:
-        pass
-
-
 class Registry:
     def __init__(self) -> None:
         self.registered: list[str] = []
 
     async def register(self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle):
         self.registered.append(hello.node_id)
-        return Session(), model.Settings(heartbeat_interval_s=60, epoch=1)
+        return NullSession(), model.Settings(heartbeat_interval_s=60, epoch=1)
 
 
 class Agent:
