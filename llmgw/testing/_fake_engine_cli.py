@@ -20,6 +20,9 @@ import attrs
 from llmgw.errors import UsageError
 
 N = TypeVar("N", int, float)
+# Tokens per prefix-cache block: vLLM's default block size. A prompt is cached, and
+# matched, in whole blocks only, as vLLM's block hashing does.
+PREFIX_BLOCK_TOKENS = 16
 Engine = Literal["vllm", "llama-server", "sglang"]
 ENGINES: tuple[Engine, ...] = ("vllm", "llama-server", "sglang")
 VERSIONS: dict[Engine, str] = {"vllm": "0.10.1.1", "llama-server": "6123", "sglang": "0.4.10"}
@@ -272,6 +275,8 @@ class Behaviour:
     kv_tokens: int = 65536
     keepalive: float = 5.0
     version: str | None = None
+    prefix_cache_tokens: int = 0  # 0: no prefix cache is modelled
+    prefill_token_delay: float = 0.0
 
 
 @attrs.frozen
@@ -505,6 +510,12 @@ def read_behaviour(env: Mapping[str, str]) -> Behaviour:
         raise UsageError(f"LLMGW_FAKE_FAIL_RATE is {fail_rate}; it must be between 0 and 1")
     slots = _number(env, "LLMGW_FAKE_SLOTS", int, 1)
     log_every = _number(env, "LLMGW_FAKE_LOG_EVERY", float, 0.0)
+    prefix_cache = _number(env, "LLMGW_FAKE_PREFIX_CACHE_TOKENS", int, 0, 0) or 0
+    if 0 < prefix_cache < PREFIX_BLOCK_TOKENS:
+        raise UsageError(
+            f"LLMGW_FAKE_PREFIX_CACHE_TOKENS is {prefix_cache}; it must be 0 (no prefix cache) "
+            f"or at least {PREFIX_BLOCK_TOKENS}, one cache block"
+        )
     return Behaviour(
         load_delay=_number(env, "LLMGW_FAKE_LOAD_DELAY", float, 0.0, 0.0) or 0.0,
         tokens=_number(env, "LLMGW_FAKE_TOKENS", int, 1, 16) or 16,
@@ -521,6 +532,8 @@ def read_behaviour(env: Mapping[str, str]) -> Behaviour:
         kv_tokens=_number(env, "LLMGW_FAKE_KV_TOKENS", int, 1, 65536) or 65536,
         keepalive=_number(env, "LLMGW_FAKE_KEEPALIVE", float, 0.0, 5.0) or 5.0,
         version=env.get("LLMGW_FAKE_VERSION") or None,
+        prefix_cache_tokens=prefix_cache,
+        prefill_token_delay=_number(env, "LLMGW_FAKE_PREFILL_TOKEN_DELAY", float, 0.0, 0.0) or 0.0,
     )
 
 

@@ -1,6 +1,7 @@
 """What the fake engine says, and the load it reports: request bodies in, bytes out, no I/O.
 
-`EngineState` holds the counters behind /metrics, /slots and /fake/stats; the
+`EngineState` holds the counters behind /metrics, /slots and /fake/stats, and
+`PrefixCache` the prompts an engine would still hold in its KV cache; the
 functions here read requests and build the engines' JSON and Prometheus
 text. The server in `fake_engine` only moves these bytes and keeps time.
 """
@@ -14,12 +15,13 @@ import json
 import math
 import random
 import struct
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
 
-from llmgw.testing._fake_engine_cli import Engine, FakeConfig
+from llmgw.testing._fake_engine_cli import PREFIX_BLOCK_TOKENS, Engine, FakeConfig
 
 Outcome = Literal["completed", "cancelled", "failed"]
 
@@ -48,6 +50,8 @@ class GenRequest:
     prompt_tokens: int
     n_tokens: int
     finish_reason: str
+    # The prompt's chain of block hashes (`block_chain`), when a prefix cache is modelled.
+    prompt_blocks: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -125,6 +129,42 @@ def chat_prompt_tokens(messages: list[Any]) -> int:
     )
 
 
+def chat_prompt_token_ids(messages: list[Any]) -> list[str]:
+    """The chat prompt as the fake's tokens: per message a start marker, the role and a
+    separator (the 3 that `chat_prompt_tokens` counts), then one token per word. Two
+    requests that open with the same system prompt share a token prefix."""
+    tokens: list[str] = []
+    for m in messages:
+        if isinstance(m, Mapping):
+            role = m.get("role")
+            tokens += ["<|im_start|>", role if isinstance(role, str) else "", "<|sep|>"]
+            tokens += _content_text(m.get("content")).split()
+    return tokens
+
+
+def completion_prompt_token_ids(prompt: object) -> list[str]:
+    """The completion prompt as tokens: words, or the ids given (as "#ID"), in order."""
+    if isinstance(prompt, str):
+        return prompt.split()
+    if isinstance(prompt, list):
+        if all(isinstance(p, int) for p in prompt):
+            return [f"#{p}" for p in prompt]
+        return [t for p in prompt for t in completion_prompt_token_ids(p)]
+    return []
+
+
+def block_chain(tokens: Sequence[str], block: int = PREFIX_BLOCK_TOKENS) -> tuple[int, ...]:
+    """One hash per whole block of `tokens`, each over the one before it and the block's
+    tokens (vLLM's block hashing): equal hashes at position i mean equal prefixes up to
+    the end of block i. A trailing partial block is not cacheable and gets none."""
+    chain: list[int] = []
+    h = 0
+    for start in range(0, len(tokens) - block + 1, block):
+        h = hash((h, *tokens[start : start + block]))
+        chain.append(h)
+    return tuple(chain)
+
+
 def completion_prompt_tokens(prompt: object) -> int:
     if isinstance(prompt, str):
         return max(1, _words(prompt))
@@ -160,9 +200,16 @@ def _model(config: FakeConfig, body: Mapping[str, Any]) -> str | Reply:
 
 
 def read_generation(
-    config: FakeConfig, kind: Literal["chat", "completion"], raw: bytes, tokens: int
+    config: FakeConfig,
+    kind: Literal["chat", "completion"],
+    raw: bytes,
+    tokens: int,
+    prefix_blocks: bool = False,
 ) -> GenRequest | Reply:
-    """Check a chat or completions request as the engine would; say what to generate."""
+    """Check a chat or completions request as the engine would; say what to generate.
+
+    With `prefix_blocks`, the request carries its prompt's block chain for the prefix cache.
+    """
     engine = config.engine
     body = _json_object(engine, raw)
     if isinstance(body, Reply):
@@ -172,10 +219,12 @@ def read_generation(
         if not isinstance(messages, list) or not messages:
             return error(engine, 400, "messages: Field required (a non-empty list)", "messages")
         prompt_tokens = chat_prompt_tokens(messages)
+        chain = block_chain(chat_prompt_token_ids(messages)) if prefix_blocks else ()
     else:
         if "prompt" not in body or body["prompt"] in ("", []):
             return error(engine, 400, "prompt: Field required", "prompt")
         prompt_tokens = completion_prompt_tokens(body["prompt"])
+        chain = block_chain(completion_prompt_token_ids(body["prompt"])) if prefix_blocks else ()
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         return error(engine, 400, "stream must be true or false", "stream")
@@ -213,6 +262,7 @@ def read_generation(
         prompt_tokens=prompt_tokens,
         n_tokens=n,
         finish_reason="stop" if n == tokens else "length",
+        prompt_blocks=chain,
     )
 
 
@@ -260,15 +310,46 @@ def completion_text(n: int) -> str:
     return "".join(token_text(i) for i in range(n))
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+    """The usage object; `cached` (prompt tokens served from the prefix cache) adds
+    `prompt_tokens_details.cached_tokens` as vLLM, SGLang and llama-server report it."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
-def full_response(engine: Engine, req: GenRequest, rid: str, created: int) -> bytes:
+def llama_timings(
+    cached: int, prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float
+) -> dict[str, float]:
+    """llama-server's `timings`: `prompt_n` is the uncached part of the prompt, `cache_n`
+    the part served from its cache; times in milliseconds."""
+    prompt_ms, predicted_ms = prompt_s * 1000, predicted_s * 1000
+    return {
+        "cache_n": cached,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n / prompt_s if prompt_s else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+        "predicted_per_second": predicted_n / predicted_s if predicted_s else 0.0,
+    }
+
+
+def full_response(
+    engine: Engine,
+    req: GenRequest,
+    rid: str,
+    created: int,
+    cached: int | None = None,
+    timings: Mapping[str, float] | None = None,
+) -> bytes:
     text = completion_text(req.n_tokens)
     choice: dict[str, Any]
     if req.kind == "chat":
@@ -284,33 +365,45 @@ def full_response(engine: Engine, req: GenRequest, rid: str, created: int) -> by
         obj = "text_completion"
     if engine == "vllm":
         choice["stop_reason"] = None
-    return dumps(
-        {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": req.model,
-            "choices": [choice],
-            "usage": usage(req.prompt_tokens, req.n_tokens),
-        }
-    )
+    answer: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": req.model,
+        "choices": [choice],
+        "usage": usage(req.prompt_tokens, req.n_tokens, cached),
+    }
+    if timings is not None:
+        answer["timings"] = timings
+    return dumps(answer)
 
 
 class StreamWriter:
-    """The SSE events of one streamed completion, in order."""
+    """The SSE events of one streamed completion, in order.
+
+    The engine sets `cached` (prompt tokens from the prefix cache) once the prompt
+    is matched, and `timings` (llama-server's) before the last token; both go on the
+    last event, as the engines send them.
+    """
 
     def __init__(self, req: GenRequest, rid: str, created: int) -> None:
         self.req = req
+        self.cached: int | None = None
+        self.timings: Mapping[str, float] | None = None
         self._head = (
             f'{{"id":"{rid}","object":"'
             + ("chat.completion.chunk" if req.kind == "chat" else "text_completion")
             + f'","created":{created},"model":{json.dumps(req.model)},'
         ).encode()
 
-    def _event(self, choices: list[Any], with_usage: object = None) -> bytes:
+    def _event(
+        self, choices: list[Any], with_usage: object = None, timings: object = None
+    ) -> bytes:
         tail: dict[str, object] = {"choices": choices}
         if self.req.include_usage:
             tail["usage"] = with_usage
+        if timings is not None:
+            tail["timings"] = timings
         return b"data: " + self._head + dumps(tail)[1:] + b"\n\n"
 
     def role(self) -> bytes:
@@ -340,14 +433,17 @@ class StreamWriter:
             }
         else:
             choice = {"index": 0, "text": token_text(i), "logprobs": None, "finish_reason": finish}
-        return self._event([choice])
+        # llama-server puts its timings on the last event: this one, unless a usage chunk follows.
+        last_event = last and not self.req.include_usage
+        return self._event([choice], timings=self.timings if last_event else None)
 
     def end(self) -> bytes:
         """The usage chunk when asked for, then [DONE]."""
         done = b"data: [DONE]\n\n"
         if not self.req.include_usage:
             return done
-        return self._event([], usage(self.req.prompt_tokens, self.req.n_tokens)) + done
+        used = usage(self.req.prompt_tokens, self.req.n_tokens, self.cached)
+        return self._event([], used, self.timings) + done
 
 
 def embedding(text: str, dim: int) -> list[float]:
@@ -408,17 +504,78 @@ class Running:
     generated: int = 0
 
 
+class PrefixCache:
+    """The prompts an engine still holds in KV cache: an LRU of prompt blocks.
+
+    Capacity is in tokens, kept as whole blocks of `block` tokens; a block shared by
+    several prompts (a common system prompt) is held once. A lookup walks the
+    request's block chain (`block_chain`) and stops at the first block not held:
+    O(prompt blocks), one dict lookup each. Inserting a prompt refreshes its blocks
+    with its first block the most recent, as vLLM frees a request's blocks tail
+    first, so eviction takes the tails of the least recently used prompts before
+    their shared heads. A prompt longer than the capacity keeps only its head.
+    """
+
+    def __init__(self, capacity_tokens: int, block: int = PREFIX_BLOCK_TOKENS) -> None:
+        if capacity_tokens < block:
+            raise ValueError(f"capacity_tokens is {capacity_tokens}; it must be at least {block}")
+        self.block = block
+        self.capacity_blocks = capacity_tokens // block
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # of which were served from the cache
+        self.evicted = 0  # blocks
+
+    def lookup(self, chain: Sequence[int], prompt_tokens: int) -> int:
+        """How many of the prompt's tokens are cached (whole blocks, and never the last
+        token: an engine always computes at least one); counted in queries/hits."""
+        held = 0
+        for h in chain:
+            if h not in self._blocks:
+                break
+            held += 1
+        cached = min(held * self.block, (prompt_tokens - 1) // self.block * self.block)
+        cached = max(0, cached)
+        self.queries += prompt_tokens
+        self.hits += cached
+        return cached
+
+    def insert(self, chain: Sequence[int]) -> None:
+        """The prompt was prefilled: hold its blocks, evicting the least recently used."""
+        blocks = self._blocks
+        for h in reversed(chain[: self.capacity_blocks]):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        while len(blocks) > self.capacity_blocks:
+            blocks.popitem(last=False)
+            self.evicted += 1
+
+    @property
+    def tokens(self) -> int:
+        return len(self._blocks) * self.block
+
+    def __repr__(self) -> str:
+        return (
+            f"<PrefixCache {self.tokens}/{self.capacity_blocks * self.block} tokens "
+            f"queries={self.queries} hits={self.hits} evicted_blocks={self.evicted}>"
+        )
+
+
 class EngineState:
     """Counters and the running set: what the fake's endpoints report about its load.
 
     `received` counts inference requests (chat, completions, embeddings); each
     ends as exactly one of `completed`, `cancelled` (the client went away
-    first) or `failed` (answered with an error status).
+    first) or `failed` (answered with an error status). `prefix` is the prefix
+    cache, None when none is modelled.
     """
 
-    def __init__(self, slots: int, kv_tokens: int) -> None:
+    def __init__(self, slots: int, kv_tokens: int, prefix_cache_tokens: int = 0) -> None:
         self.slots = slots
         self.kv_tokens = kv_tokens
+        self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.ready = False
         self.received = 0
         self.completed = 0
@@ -495,7 +652,7 @@ class EngineState:
             "waiting": self.waiting,
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
-        }
+        } | ({"prompt_tokens_cached": self.prefix.hits} if self.prefix else {})
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -527,6 +684,15 @@ def metrics_text(config: FakeConfig, state: EngineState) -> str:
             (f'{{engine="0",finished_reason="{reason}",model_name={name}}}', float(n))
             for reason, n in sorted(state.finished_by_reason.items())
         ]
+        prefix = state.prefix
+        cache_families = [
+            ("vllm:prefix_cache_queries_total", "counter",
+             "Prefix cache queries, in terms of number of queried tokens.",
+             [(lab, float(prefix.queries))]),
+            ("vllm:prefix_cache_hits_total", "counter",
+             "Prefix cache hits, in terms of number of cached tokens.",
+             [(lab, float(prefix.hits))]),
+        ] if prefix else []  # fmt: skip
         return _exposition([
             ("vllm:num_requests_running", "gauge",
              "Number of requests in model execution batches.", [(lab, running)]),
@@ -540,6 +706,7 @@ def metrics_text(config: FakeConfig, state: EngineState) -> str:
              "Number of generation tokens processed.", [(lab, generated)]),
             ("vllm:request_success_total", "counter",
              "Count of successfully processed requests.", by_reason),
+            *cache_families,
         ])  # fmt: skip
     if config.engine == "sglang":
         lab = f"{{model_name={name}}}"

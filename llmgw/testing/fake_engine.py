@@ -30,7 +30,14 @@ Endpoints, as the imitated engine has them:
   a usage chunk when `stream_options.include_usage` is true, then
   `data: [DONE]`. `max_tokens` shortens it (finish_reason "length"). Prompt
   tokens are counted as words (+3 per chat message); a prompt plus max_tokens
-  over the context length is refused with 400, as the engines do.
+  over the context length is refused with 400, as the engines do. With a
+  prefix cache (`LLMGW_FAKE_PREFIX_CACHE_TOKENS`), the usage (non-streamed, and
+  the streamed usage chunk) has `prompt_tokens_details.cached_tokens`, and
+  llama-server's last response or chunk has `timings` (`cache_n`, `prompt_n`:
+  the uncached part, `prompt_ms`, `prompt_per_token_ms`, `prompt_per_second`,
+  `predicted_n`, `predicted_ms`, `predicted_per_token_ms`,
+  `predicted_per_second`; the times measured from the slot being held to the
+  first token and from there to the last).
 - `POST /v1/embeddings`: unit vectors that depend only on the text
   (`encoding_format: base64` gives little-endian float32). llama-server
   answers 501 unless started with `--embeddings`.
@@ -42,7 +49,9 @@ Endpoints, as the imitated engine has them:
   success counters. SGLang (only with `--enable-metrics`, else 404):
   `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`.
   llama-server (only with `--metrics`, else 501): `llamacpp:requests_processing`,
-  `llamacpp:requests_deferred` and token counters; no KV gauge.
+  `llamacpp:requests_deferred` and token counters; no KV gauge. With a prefix
+  cache, vLLM also has `vllm:prefix_cache_queries_total` and
+  `vllm:prefix_cache_hits_total` (in prompt tokens).
 - llama-server `GET /slots` (501 with `--no-slots`): one object per slot with
   `id`, `id_task`, `n_ctx` (per slot), `is_processing`, `next_token`.
 - `POST /fake/health` (the fake's own): body `{"hang": true}` makes `/health`
@@ -52,7 +61,8 @@ Endpoints, as the imitated engine has them:
   a hung engine, not a dead one.
 - `GET /fake/stats` (the fake's own): JSON `ready`, `received`, `completed`,
   `cancelled`, `failed`, `in_flight`, `running`, `waiting`, `prompt_tokens`,
-  `generation_tokens`. An inference request ends as exactly one of completed,
+  `generation_tokens`, and with a prefix cache `prompt_tokens_cached` (the
+  prompt tokens served from it). An inference request ends as exactly one of completed,
   cancelled (the client closed the connection first) or failed (an error
   status).
 
@@ -111,6 +121,20 @@ LLMGW_FAKE_KEEPALIVE
     Seconds an idle keep-alive connection is kept (default 5, as uvicorn).
 LLMGW_FAKE_VERSION
     The version `--version` prints.
+LLMGW_FAKE_PREFIX_CACHE_TOKENS
+    Capacity, in prompt tokens, of a prefix cache (unset or 0: none is modelled,
+    and nothing above mentions one). A prompt's tokens are concrete: per chat
+    message a start marker, the role and a separator, then its words; a
+    completion prompt's words or token ids. They are hashed as a chain of
+    16-token blocks (as vLLM does); once a request holds a slot, its cached
+    part is the longest run of leading blocks the cache holds (never the whole
+    prompt: at least one token is computed), and after its prefill its blocks
+    are the most recently used. Blocks shared by several prompts are held
+    once; beyond the capacity the least recently used go (at least 16).
+LLMGW_FAKE_PREFILL_TOKEN_DELAY
+    Seconds per uncached prompt token, spent holding a slot before the first
+    token, after LLMGW_FAKE_FIRST_TOKEN_DELAY (default 0): time to first token
+    grows with the part of the prompt not cached (all of it without a cache).
 
 A bad value is refused at startup with exit status 2 and a message naming the
 variable. Stdout gets the engine's startup line once it listens ("Uvicorn
@@ -158,6 +182,7 @@ from llmgw.testing._fake_engine_wire import (
     embeddings_response,
     error,
     full_response,
+    llama_timings,
     loading,
     metrics_text,
     models_response,
@@ -230,7 +255,7 @@ class FakeEngine:
     def __init__(self, config: FakeConfig, behaviour: Behaviour) -> None:
         self.config = config
         self.behaviour = behaviour
-        self.state = EngineState(config.slots, behaviour.kv_tokens)
+        self.state = EngineState(config.slots, behaviour.kv_tokens, behaviour.prefix_cache_tokens)
         self._slots = trio.Semaphore(config.slots)
         self._created = int(time.time())
         self._server = SERVER_HEADER[config.engine]
@@ -350,12 +375,14 @@ class FakeEngine:
             prompt, gen = st.prompt_tokens_total, st.generation_tokens_total
             running, waiting = len(st.running), st.waiting
             engine = self.config.engine
+            hit_rate = st.prefix.hits / st.prefix.queries if st.prefix and st.prefix.queries else 0
             if engine == "vllm":
                 _say(
                     f"{_stamp('vllm')} [loggers.py:123] Engine 000: Avg prompt throughput: "
                     f"{dp / every:.1f} tokens/s, Avg generation throughput: {dg / every:.1f} "
                     f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache "
-                    f"usage: {st.kv_usage() * 100:.1f}%, Prefix cache hit rate: 0.0%"
+                    f"usage: {st.kv_usage() * 100:.1f}%, Prefix cache hit rate: "
+                    f"{hit_rate * 100:.1f}%"
                 )
             elif engine == "sglang":
                 _say(
@@ -580,7 +607,13 @@ class FakeEngine:
             if kind == "embedding":
                 parsed = read_embeddings(self.config, body)
             else:
-                parsed = read_generation(self.config, kind, body, self.behaviour.tokens)
+                parsed = read_generation(
+                    self.config,
+                    kind,
+                    body,
+                    self.behaviour.tokens,
+                    prefix_blocks=self.state.prefix is not None,
+                )
             if isinstance(parsed, Reply):
                 outcome = "failed"
                 await self._send(conn, stream, parsed)
@@ -674,11 +707,22 @@ class FakeEngine:
             await self._slots.acquire()
         finally:
             st.waiting -= 1
+        slot_held = trio.current_time()
+        # Matched once a slot is held: a sibling prefilled while this one waited counts.
+        cached = st.prefix.lookup(req.prompt_blocks, req.prompt_tokens) if st.prefix else None
+        writer.cached = cached
+        uncached = req.prompt_tokens - (cached or 0)
         run = st.start(req.prompt_tokens)
         reason: str | None = None
+        timings: dict[str, float] | None = None
+        llama = self.config.engine == "llama-server"  # which also reports its timings
         try:
-            if b.first_token_delay:
-                await trio.sleep(b.first_token_delay)
+            prefill = b.first_token_delay + uncached * b.prefill_token_delay
+            if prefill:
+                await trio.sleep(prefill)
+            if st.prefix:
+                st.prefix.insert(req.prompt_blocks)
+            first_token = trio.current_time()
             pending = writer.role() if req.stream else b""
             for i in range(req.n_tokens):
                 if b.hang_after_tokens is not None and i >= b.hang_after_tokens:
@@ -688,6 +732,12 @@ class FakeEngine:
                 if i and b.token_delay:
                     await trio.sleep(b.token_delay)
                 st.generated(run)
+                if i == req.n_tokens - 1 and cached is not None and llama:
+                    now = trio.current_time()
+                    timings = llama_timings(
+                        cached, uncached, first_token - slot_held, i + 1, now - first_token
+                    )
+                    writer.timings = timings
                 if req.stream:
                     pending += writer.token(i)
                     # Without a delay, tokens would go out back to back anyway: batch them.
@@ -704,9 +754,8 @@ class FakeEngine:
                 conn.send(h11.Data(data=writer.end())) + conn.send(h11.EndOfMessage())
             )
         else:
-            await self._send(
-                conn, stream, Reply(200, full_response(self.config.engine, req, rid, created))
-            )
+            answer = full_response(self.config.engine, req, rid, created, cached, timings)
+            await self._send(conn, stream, Reply(200, answer))
 
 
 def install(bin_dir: Path, engine: Engine = "vllm", python: str = sys.executable) -> Path:

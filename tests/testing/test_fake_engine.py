@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.errors import UsageError
@@ -36,7 +38,16 @@ from llmgw.testing._fake_engine_cli import (
     parse_command_line,
     read_behaviour,
 )
-from llmgw.testing._fake_engine_wire import EngineState, GenRequest, Reply, read_generation
+from llmgw.testing._fake_engine_wire import (
+    EngineState,
+    GenRequest,
+    PrefixCache,
+    Reply,
+    block_chain,
+    chat_prompt_token_ids,
+    chat_prompt_tokens,
+    read_generation,
+)
 
 LISTENING = re.compile(rb"(?:Uvicorn running on|server is listening on) http://127\.0\.0\.1:(\d+)")
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "say something"}]}
@@ -252,6 +263,9 @@ def test_command_lines_are_read_and_unknown_flags_ignored() -> None:
         ("LLMGW_FAKE_TOKEN_DELAY", "-1", "it must be at least 0.0"),
         ("LLMGW_FAKE_FAIL_RATE", "1.5", "it must be between 0 and 1"),
         ("LLMGW_FAKE_HEALTH_HANG_AFTER", "-2", "it must be at least 0.0"),
+        ("LLMGW_FAKE_PREFIX_CACHE_TOKENS", "lots", "it must be a whole number"),
+        ("LLMGW_FAKE_PREFIX_CACHE_TOKENS", "8", "it must be 0 (no prefix cache) or at least 16"),
+        ("LLMGW_FAKE_PREFILL_TOKEN_DELAY", "-0.1", "it must be at least 0.0"),
     ],
 )
 def test_bad_switches_exit_2_naming_the_variable(
@@ -381,6 +395,9 @@ async def test_chat_and_completions_non_streaming_and_errors() -> None:
         assert (await e.get("/nowhere")).status_code == 404
         stats = await e.stats()
         assert (stats["received"], stats["completed"], stats["failed"]) == (5, 2, 3)
+        # No prefix cache unless asked for: no cached figures anywhere, not even zeros.
+        assert "prompt_tokens_cached" not in stats
+        assert "prefix_cache" not in (await e.get("/metrics")).text
 
 
 async def test_streaming_chunks_arrive_as_they_are_generated() -> None:
@@ -648,3 +665,174 @@ def test_installed_wrappers_answer_help_as_their_engine(tmp_path: Path) -> None:
     version = subprocess.run(["llama-server", "--version"], capture_output=True, text=True,
                              env={**env, "LLMGW_FAKE_VERSION": "4242"}, timeout=20)  # fmt: skip
     assert version.returncode == 0 and version.stderr.startswith("version: 4242 ")
+
+
+# --- the prefix cache ---------------------------------------------------------------------
+
+
+def words(n: int, tag: str) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def chat(system: str, user: str, **extra: object) -> dict[str, object]:
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        **extra,
+    }
+
+
+# 61 words + 3 markers: the system message is 4 whole blocks of 16 tokens.
+SYSTEM_A, SYSTEM_B, SYSTEM_C = (words(61, tag) for tag in "abc")
+
+
+def test_prefix_cache_matches_whole_leading_blocks_and_evicts_the_least_recent() -> None:
+    a, b, c = (
+        block_chain([t] * 3 + w.split())
+        for t, w in zip("xyz", (SYSTEM_A, SYSTEM_B, SYSTEM_C), strict=True)
+    )
+    assert len(a) == 4
+    cache = PrefixCache(capacity_tokens=128)  # room for two of these prompts
+    assert cache.lookup(a, 64 + 5) == 0
+    cache.insert(a)
+    assert cache.lookup(a, 64 + 5) == 64
+    # The whole prompt is never served from cache: at least one token is computed.
+    assert cache.lookup(a, 64) == 48
+    cache.insert(b)
+    cache.insert(a)  # a is now the more recent of the two
+    cache.insert(c)  # over capacity: b, the least recently used, goes
+    assert (cache.lookup(a, 80), cache.lookup(b, 80), cache.lookup(c, 80)) == (64, 0, 64)
+    assert (cache.tokens, cache.evicted) == (128, 4)
+    assert (cache.queries, cache.hits) == (69 + 69 + 64 + 80 * 3, 64 + 48 + 64 + 64)
+    # A prompt longer than the whole cache keeps its head.
+    long = block_chain(words(16 * 20, "l").split())
+    cache.insert(long)
+    assert cache.lookup(long, 16 * 20) == 128 and cache.lookup(a, 80) == 0
+    with pytest.raises(ValueError, match="at least 16"):
+        PrefixCache(capacity_tokens=15)
+
+
+def test_a_shared_prefix_is_held_once() -> None:
+    # Two prompts sharing 3 of their 4 blocks take 5 blocks, not 8.
+    head = words(48, "h").split()
+    one, two = (
+        block_chain(head + words(16, "p").split()),
+        block_chain(head + words(16, "q").split()),
+    )
+    cache = PrefixCache(capacity_tokens=80)
+    cache.insert(one)
+    cache.insert(two)
+    assert (cache.tokens, cache.evicted) == (80, 0)
+    assert (cache.lookup(one, 65), cache.lookup(two, 65)) == (64, 64)
+
+
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"]),
+         "content": st.text(alphabet="ab \n", max_size=60)}
+    ),
+    min_size=1,
+    max_size=4,
+)  # fmt: skip
+
+
+@given(messages)
+def test_chat_token_ids_are_the_tokens_counted(msgs: list[dict[str, str]]) -> None:
+    assert len(chat_prompt_token_ids(msgs)) == chat_prompt_tokens(msgs)
+
+
+@given(
+    st.lists(st.sampled_from("abc"), max_size=80),
+    st.lists(st.sampled_from("xyz"), min_size=1, max_size=40),
+    st.lists(st.sampled_from("abc"), min_size=1, max_size=40),
+)
+def test_block_chains_agree_exactly_as_far_as_the_prompts_do(
+    shared: list[str], tail_one: list[str], tail_two: list[str]
+) -> None:
+    one, two = block_chain(shared + tail_one), block_chain(shared + tail_two)
+    whole = len(shared) // 16  # blocks entirely inside the shared prefix
+    assert one[:whole] == two[:whole]
+    # The block where they part (tail_one opens with a token tail_two never has) differs.
+    if len(one) > whole and len(two) > whole:
+        assert one[whole] != two[whole]
+
+
+async def test_vllm_reports_cached_tokens_counts_them_and_evicts_lru() -> None:
+    # Room for two 4-block system prompts.
+    env = {"LLMGW_FAKE_TOKENS": "2", "LLMGW_FAKE_PREFIX_CACHE_TOKENS": "128"}
+    async with engine("serve", "m", env=env) as e:
+
+        async def cached(system: str, user: str) -> int:
+            r = await e.post("/v1/chat/completions", chat(system, user))
+            assert r.status_code == 200, r.text
+            u = r.json()["usage"]
+            assert (u["prompt_tokens"], u["completion_tokens"]) == (64 + 5, 2)
+            return int(u["prompt_tokens_details"]["cached_tokens"])
+
+        # The first sight of a system prompt is all prefill; a sibling reuses its 64 tokens.
+        assert await cached(SYSTEM_A, "first question") == 0
+        assert await cached(SYSTEM_A, "second question") == 64
+        assert await cached(SYSTEM_B, "first question") == 0
+        assert await cached(SYSTEM_A, "third question") == 64  # A is now the more recent
+        assert await cached(SYSTEM_C, "first question") == 0  # evicts B, the LRU
+        assert await cached(SYSTEM_B, "again please") == 0
+        assert await cached(SYSTEM_C, "again please") == 64
+        stats = await e.stats()
+        assert (stats["prompt_tokens"], stats["prompt_tokens_cached"]) == (7 * 69, 3 * 64)
+
+        # Streamed: the usage chunk carries it too.
+        body = chat(SYSTEM_C, "streamed now", stream=True, stream_options={"include_usage": True})
+        async with e.client.stream("POST", e.url + "/v1/chat/completions", json=body) as r:
+            data = [d async for _, d in sse_events(r)]
+        assert data[-1] == "[DONE]"
+        assert json.loads(data[-2])["usage"] == {
+            "prompt_tokens": 69, "total_tokens": 71, "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 64}}  # fmt: skip
+        m = metrics((await e.get("/metrics")).text)
+        assert m["vllm:prefix_cache_queries_total"] == 8 * 69
+        assert m["vllm:prefix_cache_hits_total"] == 4 * 64
+        assert (await e.stats())["prompt_tokens_cached"] == 4 * 64
+
+
+async def test_llama_server_timings_show_prefill_of_the_uncached_part_only() -> None:
+    delay = 0.004  # s per uncached prompt token
+    env = {
+        "LLMGW_FAKE_ENGINE": "llama-server",
+        "LLMGW_FAKE_TOKENS": "3",
+        "LLMGW_FAKE_PREFIX_CACHE_TOKENS": "4096",
+        "LLMGW_FAKE_PREFILL_TOKEN_DELAY": str(delay),
+    }
+    system = words(253, "s")  # 256 tokens: 16 blocks
+    async with engine("-m", "x.gguf", env=env) as e:
+        cold = (await e.post("/v1/chat/completions", chat(system, "first question"))).json()
+        warm = (await e.post("/v1/chat/completions", chat(system, "next question"))).json()
+        assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert warm["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+        tc, tw = cold["timings"], warm["timings"]
+        assert (tc["cache_n"], tc["prompt_n"], tc["predicted_n"]) == (0, 261, 3)
+        assert (tw["cache_n"], tw["prompt_n"], tw["predicted_n"]) == (256, 5, 3)
+        # The prefill is spent per uncached token: the engine's own figures say so.
+        assert tc["prompt_ms"] >= 261 * delay * 1000
+        assert tw["prompt_ms"] >= 5 * delay * 1000
+        assert tw["prompt_ms"] < tc["prompt_ms"] / 4
+        assert tc["prompt_per_token_ms"] == pytest.approx(tc["prompt_ms"] / 261)
+        assert tc["predicted_per_token_ms"] == pytest.approx(tc["predicted_ms"] / 3)
+        assert set(tc) == {
+            "cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
+            "predicted_n", "predicted_ms", "predicted_per_token_ms", "predicted_per_second"}  # fmt: skip
+
+        # Streamed: on the usage chunk when there is one, else on the last token's chunk.
+        for include_usage in (True, False):
+            body = chat(system, f"streamed {include_usage}", stream=True,
+                        stream_options={"include_usage": include_usage})  # fmt: skip
+            async with e.client.stream("POST", e.url + "/v1/chat/completions", json=body) as r:
+                chunks = [json.loads(d) for _, d in [ev async for ev in sse_events(r)][:-1]]
+            with_timings = [c for c in chunks if "timings" in c]
+            assert with_timings == [chunks[-1]]
+            assert chunks[-1]["timings"]["cache_n"] == 256
+            assert chunks[-1]["timings"]["prompt_n"] == 5
+            if include_usage:
+                assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+            else:
+                assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        assert (await e.stats())["prompt_tokens_cached"] == 3 * 256
