@@ -26,6 +26,7 @@ from llmgw.core._placement import (
     Refusal,
     place,
 )
+from llmgw.core._prefix import Match, PrefixIndex, chain
 from llmgw.core._reconcile import (
     DesiredModel,
     ObservedShard,
@@ -35,7 +36,14 @@ from llmgw.core._reconcile import (
     Stop,
     reconcile,
 )
-from llmgw.core._scoring import EndpointLoad, ScoringConfig, choose, score
+from llmgw.core._scoring import (
+    Decision,
+    EndpointLoad,
+    RequestEstimate,
+    ScoringConfig,
+    choose,
+    explain,
+)
 
 __all__ = [
     "Admission",
@@ -47,6 +55,7 @@ __all__ = [
     "BreakerConfig",
     "BreakerState",
     "ConnectionLost",
+    "Decision",
     "DesiredModel",
     "DrainDecision",
     "DrainInput",
@@ -57,6 +66,7 @@ __all__ = [
     "HeartbeatSeen",
     "Liveness",
     "LivenessPolicy",
+    "Match",
     "NodeFacts",
     "NodeState",
     "ObservedShard",
@@ -64,21 +74,24 @@ __all__ = [
     "PlacementProfile",
     "Placer",
     "Plan",
+    "PrefixIndex",
     "Queued",
     "RankPlacement",
     "Refusal",
     "Registered",
     "Reject",
     "ReplicaView",
+    "RequestEstimate",
     "ScoringConfig",
     "Start",
     "Stop",
     "Tick",
+    "chain",
     "choose",
     "drain_model",
+    "explain",
     "place",
     "reconcile",
     "registered",
-    "score",
     "step",
 ]

@@ -1,61 +1,85 @@
-"""Choosing an endpoint for a request, from scraped engine load and the router's own counts.
+"""Choosing an endpoint for a request: expected cost, under a bound on load.
 
-Pure: endpoints' figures, a clock value and a `random.Random` in, an endpoint
-id out.
+Pure: endpoints' figures, the request's estimate, a clock value and a
+`random.Random` in, an endpoint id out (`choose`), or the whole reasoning
+(`explain`, which computes every figure with the same functions).
 
-Score (lower is better; `score()` is public for metrics and debugging)
+Load the router counts itself
+    At dispatch the router adds the request's uncached prompt tokens to the
+    endpoint's `pending_prefill` (taken off when the answer starts) and its
+    expected output tokens to `pending_decode` (taken off when it ends), and
+    counts it `in_flight`. These are current to the moment, so they carry the
+    load; a scrape adds only what the router did not send itself.
 
-    score = in_flight_weight x in_flight
-          + waiting_weight   x waiting          (or unknown_penalty when unknown)
-          + running_weight   x running          (or unknown_penalty when unknown)
-          + kv_weight        x kv               (or unknown_penalty when unknown)
-          + kv_full_penalty                     (when kv >= kv_full)
+    That is the fix for the old score, which counted a request the engine
+    reported running 3 times and one the router had sent since the last
+    reading once: an engine that had just finished still looked busy until the
+    next reading, and the next request piled onto the other engine. Measured on
+    two real llama-servers it left one idle while the other held two requests
+    34-44 % of the time, and lost to round robin on every workload.
 
-    `in_flight` is the router's own count of requests it has sent there and
-    not yet seen finish: always current, so it is never unknown, and it keeps
-    one router from piling onto an endpoint between two scrapes.
+Scraped figures
+    `external` = what the engine reports queued and running, less the router's
+    own in-flight count when that reading was taken (`own_at_scrape`): other
+    routers' and workers' requests, or clients that bypass the router. Absent
+    is not zero: when the reading is stale (older than `stale_after_intervals`
+    x `scrape_interval_s`), missing, negative or not finite, `external` is
+    unknown, and the cost adds `unknown_penalty` requests' worth of work. An
+    endpoint whose scrapes fail is never preferred for reading zero. A KV
+    cache the engine reports at `kv_full` or more adds `kv_full_penalty`
+    requests' worth (the engine would queue or preempt).
 
-    `kv` is the KV-cache use (0..1). When the engine gives none but gives its
-    slot count (llama.cpp), running / slots stands in for it: each slot owns a
-    fixed share of the cache.
+Cost (in prompt-token equivalents; lower is better)
 
-    Absent is not zero. A figure is unknown when the engine did not report it
-    or when the scrape is stale: older than `stale_after_intervals` x
-    `scrape_interval_s` (or never made). Reading an unknown figure as 0 would
-    make an endpoint whose scrapes stopped (often because it is overloaded)
-    look idle, and every request would go there; instead each unknown figure
-    adds `unknown_penalty`. With the defaults an endpoint with no fresh
-    figures scores 12 plus its in-flight count: it still beats an endpoint
-    known to have a long queue, but loses to any idle or moderately busy one.
-    A figure that is negative or not finite counts as unknown too.
+    cost = (prompt_tokens - cached_tokens)            this request's prefill there
+         + pending_prefill + decode_cost x pending_decode
+         + external x unit                            (or unknown_penalty x unit)
+         + kv_full_penalty x unit                     (when kv >= kv_full)
+
+    `unit` is this request's own work (prompt_tokens + decode_cost x
+    output_tokens), standing in for a typical request of the model;
+    `decode_cost` is how many prompt tokens one output token costs (the router
+    learns it from llama.cpp's timings). `cached_tokens` is the prefix index's
+    credit for this request on that endpoint (llmgw/core/_prefix.py); with the
+    `least-load` policy it is 0 everywhere.
+
+The bound (consistent hashing with bounded loads)
+    An endpoint's load is its request count: `in_flight` + known `external`.
+    No endpoint takes a new request while that would put it over
+    ceil((1 + epsilon) x (total + 1) / n), n the eligible endpoints. Some
+    endpoint always fits (the least loaded one), so the bound never refuses a
+    request; it only makes cache affinity, and header affinity, yield before
+    one endpoint becomes the hotspot.
 
 Choice
-    Among the endpoints that are healthy and whose breaker allows a request,
-    the lowest score wins; scores within `_TIE_TOLERANCE` of the best are a
-    tie, broken with the injected `rng` (so a fleet of idle endpoints shares
-    the load instead of one taking it all). None when nothing is eligible.
+    Eligible: healthy and allowed by its breaker. Among the eligible endpoints
+    within the bound the lowest cost wins; costs within `_TIE` (relative) are a
+    tie broken with `rng`. `round-robin` takes the eligible endpoints in turn
+    (`rotation`), bound aside: the baseline the others are measured against.
 
 Session affinity
-    With an `affinity` key (a header a client sends to keep its
-    conversation's prefix cache warm), the endpoint is picked by rendezvous
-    hashing: the eligible endpoint with the highest hash of (key, endpoint
-    id). Endpoints coming and going move only the keys that hashed to them.
-    The affinity endpoint yields to the normal choice when it is overloaded:
-    its engine has requests waiting (or that figure is unknown) AND its score
-    is more than `affinity_overload_margin` worse than the best eligible
-    score. A warm cache is worth a little queueing, not an unbounded amount.
+    With an `affinity` key (a header a client sends to keep its conversation
+    on one replica), the endpoint is picked by rendezvous hashing: the eligible
+    endpoint with the highest hash of (key, endpoint id), so endpoints coming
+    and going move only the keys that hashed to them. It is taken while it is
+    within the bound; past the bound the normal choice decides.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import random
 from collections.abc import Sequence
+from typing import Literal
 
 import attrs
 
-_TIE_TOLERANCE = 1e-9
+Policy = Literal["prefix", "least-load", "round-robin"]
+POLICIES: tuple[Policy, ...] = ("prefix", "least-load", "round-robin")
+_TIE = 1e-9
+_ID = operator.attrgetter("endpoint_id")
 
 
 @attrs.frozen
@@ -67,15 +91,35 @@ class EndpointLoad:
     waiting: float | None
     running: float | None
     kv_usage: float | None  # 0..1
-    scraped_at: float | None  # clock value of the scrape the three figures above come from
-    slots: int | None  # parallel sequences the engine serves (llama.cpp's slots)
+    scraped_at: float | None  # clock value of the reading the three figures above come from
+    slots: int | None = None  # parallel sequences the engine serves (llama.cpp's slots)
+    own_at_scrape: int | None = None  # the router's in_flight there when that reading was taken
+    pending_prefill: float = 0.0  # own: uncached prompt tokens of requests not yet answering
+    pending_decode: float = 0.0  # own: expected output tokens of requests in flight
+    cached_tokens: float = 0.0  # the prefix index's credit for this request here
 
     @property
     def eligible(self) -> bool:
         return self.healthy and self.allowed
 
 
-def _weight(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+@attrs.frozen
+class RequestEstimate:
+    """What a request will cost an engine, as far as the router can tell before sending."""
+
+    prompt_tokens: float
+    output_tokens: float
+    decode_cost: float = 4.0  # prompt tokens' worth of work per output token
+
+    @property
+    def unit(self) -> float:
+        return max(1.0, self.prompt_tokens + self.decode_cost * self.output_tokens)
+
+
+UNKNOWN_REQUEST = RequestEstimate(prompt_tokens=0.0, output_tokens=1.0)
+
+
+def _non_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{attribute.name} must be a finite number, 0 or more, got {value}")
 
@@ -90,19 +134,21 @@ def _fraction(_: object, attribute: attrs.Attribute[float], value: float) -> Non
         raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
 
 
+def _policy(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value not in POLICIES:
+        raise ValueError(f"{attribute.name} must be one of {', '.join(POLICIES)}, got {value!r}")
+
+
 @attrs.frozen
 class ScoringConfig:
+    policy: Policy = attrs.field(default="prefix", validator=_policy)
     scrape_interval_s: float = attrs.field(default=1.0, validator=_positive)
     stale_after_intervals: float = attrs.field(default=3.0, validator=_positive)
-    in_flight_weight: float = attrs.field(default=1.0, validator=_weight)
-    waiting_weight: float = attrs.field(default=2.0, validator=_weight)
-    running_weight: float = attrs.field(default=1.0, validator=_weight)
-    kv_weight: float = attrs.field(default=4.0, validator=_weight)
+    epsilon: float = attrs.field(default=0.25, validator=_non_negative)
     # At or above this KV use the engine queues or preempts new work.
     kv_full: float = attrs.field(default=0.95, validator=_fraction)
-    kv_full_penalty: float = attrs.field(default=8.0, validator=_weight)
-    unknown_penalty: float = attrs.field(default=4.0, validator=_weight)
-    affinity_overload_margin: float = attrs.field(default=8.0, validator=_weight)
+    kv_full_penalty: float = attrs.field(default=1.0, validator=_non_negative)
+    unknown_penalty: float = attrs.field(default=1.0, validator=_non_negative)
 
     @property
     def stale_after_s(self) -> float:
@@ -120,25 +166,62 @@ def fresh(e: EndpointLoad, now: float, config: ScoringConfig) -> bool:
     return e.scraped_at is not None and now - e.scraped_at <= config.stale_after_s
 
 
-def score(e: EndpointLoad, now: float, config: ScoringConfig) -> float:
-    """The endpoint's cost for one more request; lower is better (see the module doc)."""
-    is_fresh = fresh(e, now, config)
-    waiting = _known(e.waiting) if is_fresh else None
-    running = _known(e.running) if is_fresh else None
-    kv = _known(e.kv_usage) if is_fresh else None
-    if kv is None and running is not None and e.slots is not None and e.slots > 0:
-        kv = running / e.slots
-    total = config.in_flight_weight * max(0, e.in_flight)
-    total += config.unknown_penalty if waiting is None else config.waiting_weight * waiting
-    total += config.unknown_penalty if running is None else config.running_weight * running
-    if kv is None:
-        total += config.unknown_penalty
-    else:
-        kv = min(kv, 1.0)
-        total += config.kv_weight * kv
-        if kv >= config.kv_full:
-            total += config.kv_full_penalty
+def external(e: EndpointLoad, now: float, config: ScoringConfig) -> float | None:
+    """Requests the engine holds that this router did not send; None when unknown."""
+    return _external(e) if fresh(e, now, config) else None
+
+
+def _external(e: EndpointLoad) -> float | None:
+    running = _known(e.running)
+    waiting = _known(e.waiting)
+    if running is None and waiting is None:
+        return None
+    seen = (running or 0.0) + (waiting or 0.0)
+    return max(0.0, seen - max(0, e.own_at_scrape or 0))
+
+
+def load(e: EndpointLoad, now: float, config: ScoringConfig) -> float:
+    """The endpoint's request count, for the bound: own plus known external."""
+    return max(0, e.in_flight) + (external(e, now, config) or 0.0)
+
+
+def cost(e: EndpointLoad, request: RequestEstimate, now: float, config: ScoringConfig) -> float:
+    """The expected cost of sending `request` there (see the module doc)."""
+    return _cost(e, request, external(e, now, config), fresh(e, now, config), config)
+
+
+def _cost(
+    e: EndpointLoad,
+    request: RequestEstimate,
+    ext: float | None,
+    is_fresh: bool,
+    config: ScoringConfig,
+) -> float:
+    unit = request.unit
+    total = request.prompt_tokens - _cached(e, request, config)
+    total += max(0.0, e.pending_prefill) + request.decode_cost * max(0.0, e.pending_decode)
+    total += (config.unknown_penalty if ext is None else ext) * unit
+    if is_fresh:
+        kv = _known(e.kv_usage)
+        if kv is not None and kv >= config.kv_full:
+            total += config.kv_full_penalty * unit
     return total
+
+
+def _cached(e: EndpointLoad, request: RequestEstimate, config: ScoringConfig) -> float:
+    if config.policy != "prefix":
+        return 0.0
+    return min(request.prompt_tokens, max(0.0, e.cached_tokens))
+
+
+def capacity(loads: Sequence[float], epsilon: float) -> int:
+    """The most requests one endpoint may hold once the next one is placed."""
+    return _capacity(sum(loads), len(loads), epsilon) if loads else 0
+
+
+def _capacity(total: float, n: int, epsilon: float) -> int:
+    # round() first: a float sum of whole counts must not ceil 2.0000000001 to 3.
+    return math.ceil(round((1 + epsilon) * (total + 1) / n, 9))
 
 
 def rendezvous_weight(key: str, endpoint_id: str) -> int:
@@ -154,7 +237,7 @@ def rendezvous_weight(key: str, endpoint_id: str) -> int:
 
 
 def affinity_target(endpoints: Sequence[EndpointLoad], key: str) -> str | None:
-    """The eligible endpoint `key` maps to by rendezvous hashing, overload aside."""
+    """The eligible endpoint `key` maps to by rendezvous hashing, the bound aside."""
     eligible = [e.endpoint_id for e in endpoints if e.eligible]
     if not eligible:
         return None
@@ -163,27 +246,153 @@ def affinity_target(endpoints: Sequence[EndpointLoad], key: str) -> str | None:
 
 def choose(
     endpoints: Sequence[EndpointLoad],
+    request: RequestEstimate,
     now: float,
     rng: random.Random,
     config: ScoringConfig = ScoringConfig(),  # frozen, so one shared default is safe
     affinity: str | None = None,
+    rotation: int = 0,
 ) -> str | None:
     """The endpoint to send a request to, or None when no endpoint is eligible."""
-    scored = sorted(
-        ((score(e, now, config), e) for e in endpoints if e.eligible),
-        key=lambda se: se[1].endpoint_id,
-    )
-    if not scored:
+    # On every request's path: one pass for the figures, one for the costs, and the
+    # same helpers `cost` and `load` use (explain shows what this computes).
+    eligible = [e for e in endpoints if e.healthy and e.allowed]
+    if not eligible:
         return None
-    best = min(s for s, _ in scored)
+    if len(eligible) > 1:
+        eligible.sort(key=_ID)
+    if config.policy == "round-robin":
+        return eligible[rotation % len(eligible)].endpoint_id
+    rows = []
+    total = 0.0
+    for e in eligible:
+        is_fresh = fresh(e, now, config)
+        ext = _external(e) if is_fresh else None
+        n = max(0, e.in_flight) + (ext or 0.0)
+        total += n
+        rows.append((e, n, ext, is_fresh))
+    cap = _capacity(total, len(rows), config.epsilon)
+    within = [r for r in rows if r[1] + 1 <= cap] or rows
     if affinity is not None:
-        target = affinity_target(endpoints, affinity)
-        for s, e in scored:
-            if e.endpoint_id == target:
-                waiting = _known(e.waiting) if fresh(e, now, config) else None
-                may_queue = waiting is None or waiting > 0
-                if not (may_queue and s - best > config.affinity_overload_margin):
-                    return target
-                break
-    tied = [e.endpoint_id for s, e in scored if s - best <= _TIE_TOLERANCE]
+        target = affinity_target(eligible, affinity)
+        for r in within:
+            if r[0].endpoint_id == target:
+                return target
+    best = math.inf
+    tied: list[str] = []
+    for e, _, ext, is_fresh in within:
+        c = _cost(e, request, ext, is_fresh, config)
+        if c < best - _TIE * max(1.0, abs(c)):
+            best = c
+            tied = [e.endpoint_id]
+        elif c - best <= _TIE * max(1.0, abs(best)):
+            tied.append(e.endpoint_id)
     return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+@attrs.frozen
+class Candidate:
+    """One endpoint's figures in a decision, for `x-llmgw-explain` and `ctl route`."""
+
+    endpoint_id: str
+    healthy: bool
+    allowed: bool
+    within_bound: bool
+    load: float
+    in_flight: int
+    cached_tokens: float
+    uncached_tokens: float
+    pending_prefill: float
+    pending_decode: float
+    external: float | None
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    scrape_age_s: float | None
+    cost: float | None  # None: not eligible
+
+
+@attrs.frozen
+class Decision:
+    policy: Policy
+    chosen: str | None
+    reason: str
+    capacity: int
+    average_load: float | None
+    epsilon: float
+    request: RequestEstimate
+    candidates: tuple[Candidate, ...]
+
+
+def explain(
+    endpoints: Sequence[EndpointLoad],
+    request: RequestEstimate,
+    now: float,
+    rng: random.Random,
+    config: ScoringConfig = ScoringConfig(),
+    affinity: str | None = None,
+    rotation: int = 0,
+) -> Decision:
+    """`choose`, with every candidate's figures and the reason for the winner."""
+    chosen = choose(endpoints, request, now, rng, config, affinity, rotation)
+    eligible = [e for e in endpoints if e.eligible]
+    loads = {e.endpoint_id: load(e, now, config) for e in eligible}
+    cap = capacity(list(loads.values()), config.epsilon)
+    rows = []
+    for e in sorted(endpoints, key=lambda e: e.endpoint_id):
+        cached = _cached(e, request, config)
+        is_fresh = fresh(e, now, config)
+        rows.append(
+            Candidate(
+                endpoint_id=e.endpoint_id,
+                healthy=e.healthy,
+                allowed=e.allowed,
+                within_bound=e.eligible and loads[e.endpoint_id] + 1 <= cap,
+                load=load(e, now, config),
+                in_flight=e.in_flight,
+                cached_tokens=cached,
+                uncached_tokens=request.prompt_tokens - cached,
+                pending_prefill=e.pending_prefill,
+                pending_decode=e.pending_decode,
+                external=external(e, now, config),
+                running=_known(e.running) if is_fresh else None,
+                waiting=_known(e.waiting) if is_fresh else None,
+                kv_usage=_known(e.kv_usage) if is_fresh else None,
+                scrape_age_s=None if e.scraped_at is None else max(0.0, now - e.scraped_at),
+                cost=cost(e, request, now, config) if e.eligible else None,
+            )
+        )
+    return Decision(
+        policy=config.policy,
+        chosen=chosen,
+        reason=_reason(config, chosen, affinity, eligible, loads, cap),
+        capacity=cap,
+        average_load=(sum(loads.values()) / len(loads)) if loads else None,
+        epsilon=config.epsilon,
+        request=request,
+        candidates=tuple(rows),
+    )
+
+
+def _reason(
+    config: ScoringConfig,
+    chosen: str | None,
+    affinity: str | None,
+    eligible: Sequence[EndpointLoad],
+    loads: dict[str, float],
+    cap: int,
+) -> str:
+    if chosen is None:
+        return "no endpoint is eligible (all unhealthy or their circuits open)"
+    if config.policy == "round-robin":
+        return "round robin: the next eligible endpoint in turn"
+    over = sorted(eid for eid, n in loads.items() if n + 1 > cap)
+    bound = (
+        f"; over the bound of {cap} requests: {', '.join(over)}"
+        if over
+        else f"; all within the bound of {cap} requests"
+    )
+    if affinity is not None and chosen == affinity_target(eligible, affinity):
+        return "session affinity: the key's rendezvous endpoint, within the bound" + bound
+    what = "uncached prefill plus queue" if config.policy == "prefix" else "queue"
+    return f"lowest expected cost ({what})" + bound

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qsl
 
 import trio
@@ -29,6 +29,7 @@ from llmgw.cp._reconciler import Reconciler, Unplaced
 from llmgw.cp._registry import NodeRecord, NodeRegistry
 from llmgw.cp._shards import manual_shard, ports_taken
 from llmgw.errors import ConfigError, NotFound, PeerError, UsageError
+from llmgw.router import HttpError as RouterHttpError
 from llmgw.router._keys import ApiKey, KeyStore
 from llmgw.rpc import AgentHandle
 
@@ -75,6 +76,12 @@ class HttpError(Exception):
 Handler = Callable[..., Awaitable[tuple[int, Any]]]
 
 
+class Explainer(Protocol):
+    """The router, as `POST /api/v1/route` needs it (llmgw/router `Router.explain`)."""
+
+    def explain(self, model: str, path: str, request: dict[str, Any]) -> dict[str, Any]: ...
+
+
 class AdminApp:
     def __init__(
         self,
@@ -85,8 +92,10 @@ class AdminApp:
         catalog: CatalogFile | None = None,
         keys: KeyStore | None = None,
         metrics: CollectorRegistry | None = None,
+        router: Explainer | None = None,
     ) -> None:
         self._registry = registry
+        self._router = router
         self._keys = keys
         self._metrics = metrics
         self._reconciler = reconciler
@@ -111,6 +120,7 @@ class AdminApp:
             ("GET", re.compile(r"^/api/v1/status$"), self._status),
             ("GET", re.compile(r"^/api/v1/events$"), self._events),
             ("POST", re.compile(r"^/api/v1/place$"), self._place),
+            ("POST", re.compile(r"^/api/v1/route$"), self._route),
             ("POST", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/cordon$"), self._cordon),
             ("DELETE", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/cordon$"), self._uncordon),
             ("POST", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/drain$"), self._drain),
@@ -389,6 +399,17 @@ class AdminApp:
         ]  # fmt: skip
         return 200, {"model": m.name, "placed": True, "engine": profile.engine, "ranks": ranks,
                      "fabric": where.fabric}  # fmt: skip
+
+    async def _route(self, body: Any, **_: Any) -> tuple[int, Any]:
+        """Which endpoint the router would send a request to now, and why."""
+        if self._router is None:
+            raise HttpError(404, "this control plane runs no router (router_listen is null)")
+        asked = _expect(body, {"model": str, "request": dict}, {"path": str})
+        path = asked.get("path", "/v1/chat/completions")
+        try:
+            return 200, self._router.explain(asked["model"], path, asked["request"])
+        except RouterHttpError as exc:
+            raise HttpError(exc.status, str(exc)) from None
 
     async def _cordon(self, node: str, body: Any, **_: Any) -> tuple[int, Any]:
         request = _expect(body or {}, {}, {"reason": str})

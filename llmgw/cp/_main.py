@@ -100,7 +100,8 @@ async def serve(
 
     catalog.on_change = catalog_changed
     keys = SqliteKeyStore(cfg.state_dir / "keys.sqlite")
-    router = Router(router_cfg or RouterConfig(), endpoints, keys)
+    admin_key = read_admin_key(key_path)
+    router = Router(router_cfg or RouterConfig(), endpoints, keys, admin_key=admin_key)
     workers = router.config.workers if cfg.router_listen is not None else 1
     # Workers 1..N-1 run in processes of their own (llmgw/cp/_workers.py); this one is 0.
     hub = (
@@ -123,11 +124,12 @@ async def serve(
         reconciler.in_flight = in_flight
     admin = AdminApp(
         registry,
-        read_admin_key(key_path),
+        admin_key,
         reconciler=reconciler,
         catalog=catalog,
         keys=router.keys,
         metrics=router.metrics_registry,
+        router=router if cfg.router_listen is not None else None,
     )
     rpc_host, rpc_port = config.split_host_port(cfg.rpc_listen)
 

@@ -8,7 +8,7 @@ over one Unix socket in state_dir (`router.sock`, mode 0600), one connection per
 worker, JSON lines both ways:
 
     worker -> cp   {"hello": i, "pid": P}                           once
-    cp -> worker   {"router": {...}, "keys": PATH}                  once (server.yaml's router:)
+    cp -> worker   {"router": {...}, "keys": PATH, "admin_key": PATH}  once (server.yaml's router:)
     cp -> worker   {"version": V, "endpoints": {model: [[id, model, engine, host, port, slots]]}}
                    at once, then whenever the fleet view's version moves (checked every 100 ms)
     worker -> cp   {"version": V, "in_flight": {endpoint id: n}}    every 200 ms, and at once
@@ -51,6 +51,7 @@ import trio
 
 from llmgw import config
 from llmgw._process import run_service, setup_logging
+from llmgw.cp._admin import ADMIN_KEY_FILE, read_admin_key
 from llmgw.router import Router, RouterConfig, SqliteKeyStore, listener_limits, serve_http
 from llmgw.router._main import _keep_worker, metrics_app
 from llmgw.router._types import Endpoint, EndpointSource
@@ -122,7 +123,12 @@ class WorkerHub:
         `/metrics` on that port + i."""
         self._source = source
         self.workers = workers
-        self._setup: dict[str, Any] = {"router": dict(router_section), "keys": str(keys_path)}
+        # The admin key's file beside the keys: a worker explains decisions to it too.
+        self._setup: dict[str, Any] = {
+            "router": dict(router_section),
+            "keys": str(keys_path),
+            "admin_key": str(keys_path.with_name(ADMIN_KEY_FILE)),
+        }
         if metrics_at is not None:
             self._setup["metrics"] = list(metrics_at)
         self._reports: dict[int, _Report] = {}
@@ -281,7 +287,8 @@ async def run_worker(
         source = RemoteEndpoints()
         source.apply(await lines.next())
         keys = SqliteKeyStore(Path(setup["keys"]))
-        router = Router(router_cfg, source, keys, worker=index)
+        admin_key = read_admin_key(Path(setup["admin_key"])) if "admin_key" in setup else None
+        router = Router(router_cfg, source, keys, worker=index, admin_key=admin_key)
         seen: set[str] = set()
 
         async def report() -> None:

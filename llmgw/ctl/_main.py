@@ -130,6 +130,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     place.add_argument("--json", action="store_true")
     place.set_defaults(func=_place)
+    route = sub.add_parser(
+        "route",
+        help="which endpoint the router would send a request for MODEL to now, and why",
+        description="Ask the router how it would route a request now (nothing is sent): "
+        "each endpoint's cached prompt blocks, its pending load, its scraped figures and "
+        "their age, and the load bound. The prompt file holds either a whole request body "
+        "as a client sends it (JSON with messages or prompt) or plain text, taken as one "
+        "user message.",
+    )
+    route.add_argument("model")
+    route.add_argument("--prompt-file", type=Path, required=True, metavar="F")
+    route.add_argument(
+        "--path",
+        default=None,
+        help="the API route the request is for (default: /v1/chat/completions, or "
+        "/v1/completions for a body with prompt)",
+    )
+    route.add_argument("--json", action="store_true")
+    route.set_defaults(func=_route)
 
     keys = sub.add_parser("keys", help="API keys for the router")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
@@ -424,6 +443,64 @@ def _place(args: argparse.Namespace) -> int:
         for reason in data["reasons"]:
             print(f"  {reason}")
     return 0 if data["placed"] else 1
+
+
+def _route(args: argparse.Namespace) -> int:
+    try:
+        text = args.prompt_file.read_text()
+    except OSError as exc:
+        raise CtlError(f"--prompt-file {args.prompt_file}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise CtlError(f"--prompt-file {args.prompt_file}: not UTF-8 text") from None
+    try:
+        request = json.loads(text)
+    except ValueError:
+        request = None
+    if not isinstance(request, dict) or not ({"messages", "prompt", "input"} & set(request)):
+        request = {"messages": [{"role": "user", "content": text}]}
+    request["model"] = args.model
+    path = args.path or (
+        "/v1/completions" if "prompt" in request and "messages" not in request
+        else "/v1/chat/completions"
+    )  # fmt: skip
+    data = api(args, "POST", "/api/v1/route", {"model": args.model, "path": path,
+                                               "request": request})  # fmt: skip
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    r, bound = data["request"], data["bound"]
+    print(f"{data['model']}: {data['chosen'] or 'no endpoint'} ({data['policy']}): "
+          f"{data['reason']}")  # fmt: skip
+    print(f"  prompt: {_num(r['prompt_bytes'])} bytes, {_num(r['prompt_blocks'])} blocks of "
+          f"{r['block_bytes']}, ~{_num(r['estimated_prompt_tokens'])} tokens; "
+          f"~{_num(r['expected_output_tokens'])} output tokens")  # fmt: skip
+    print(f"  bound: at most {bound['max_requests_per_endpoint']} requests per endpoint "
+          f"(epsilon {bound['epsilon']:g}, average {_num(bound['average_load'])})")  # fmt: skip
+    rows = []
+    for c in data["candidates"]:
+        sc = c["scraped"]
+        state = "ok" if c["healthy"] and c["breaker_allows"] else (
+            "unhealthy" if not c["healthy"] else "circuit open")  # fmt: skip
+        if state == "ok" and not c["within_bound"]:
+            state = "over bound"
+        scraped = (f"run {_num(sc['running'])} wait {_num(sc['waiting'])} "
+                   f"kv {_num(sc['kv_usage'])} age {_num(sc['age_s'])}s")  # fmt: skip
+        rows.append((
+            ("* " if c["endpoint"] == data["chosen"] else "  ") + c["endpoint"], state,
+            _num(c["cost"]), _num(c["cached_tokens"]), str(c["in_flight"]),
+            _num(c["pending_prefill_tokens"]), _num(c["pending_decode_tokens"]),
+            _num(c["external_requests"]), scraped,
+        ))  # fmt: skip
+    print(_table(("ENDPOINT", "STATE", "COST", "CACHED", "IN-FLIGHT", "PREFILL", "DECODE",
+                  "EXTERNAL", "SCRAPED"), rows))  # fmt: skip
+    return 0
+
+
+def _num(value: float | None) -> str:
+    """A figure for a table: unknown stays unknown."""
+    if value is None:
+        return "?"
+    return f"{value:.0f}" if abs(value) >= 10 or value == int(value) else f"{value:.2f}"
 
 
 def _cordon(args: argparse.Namespace) -> int:

@@ -10,18 +10,27 @@ not hypercorn); `python -m llmgw.router` is router-only mode.
 
 from llmgw.router._keys import ApiKey, CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
 from llmgw.router._main import listener_limits
-from llmgw.router._router import DEFAULT_BANDS, PRIORITY_HEADER, Router, RouterConfig
+from llmgw.router._router import (
+    DEFAULT_BANDS,
+    EXPLAIN_HEADER,
+    PRIORITY_HEADER,
+    Router,
+    RouterConfig,
+)
 from llmgw.router._server import Limits as ListenerLimits
 from llmgw.router._server import serve as serve_http
+from llmgw.router._surface import HttpError
 from llmgw.router._types import Endpoint, EndpointSource, StaticEndpoints
 
 __all__ = [
     "DEFAULT_BANDS",
+    "EXPLAIN_HEADER",
     "PRIORITY_HEADER",
     "ApiKey",
     "CachedKeys",
     "Endpoint",
     "EndpointSource",
+    "HttpError",
     "KeyStore",
     "ListenerLimits",
     "Router",

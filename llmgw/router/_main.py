@@ -80,6 +80,8 @@ class RouterFile:
     endpoints: list[EndpointDecl] = attrs.field(factory=list)
     keys: list[KeyDecl] = attrs.field(factory=list)
     keys_db: Path | None = None
+    # A file holding the admin key: requests with it may ask `x-llmgw-explain: 1`.
+    admin_key_file: Path | None = None
     log_level: str | None = None
     # "lean": llmgw's own HTTP/1.1 server (see _server.py; about twice the requests per
     # core); "hypercorn": the ASGI server the control plane's other listeners use.
@@ -294,11 +296,21 @@ async def serve(
     if file_cfg.keys_db is not None:
         db = SqliteKeyStore(file_cfg.keys_db)
         keys = _ChainedKeys(static_keys(file_cfg.keys), db) if file_cfg.keys else db
+    admin_key = None
+    if file_cfg.admin_key_file is not None:
+        try:
+            admin_key = file_cfg.admin_key_file.read_text().strip() or None
+        except OSError as exc:
+            where = file_cfg.admin_key_file
+            raise ConfigError(f"admin_key_file: {where}: {exc.strerror or exc}") from None
+        if admin_key is None:
+            raise ConfigError(f"admin_key_file: {file_cfg.admin_key_file} is empty")
     router = Router(
         router_cfg,
         StaticEndpoints(endpoints),
         CachedKeys(keys, router_cfg.key_cache_ttl_s),
         worker=worker,
+        admin_key=admin_key,
     )
     workers = router_cfg.workers
     try:

@@ -73,6 +73,20 @@ class RouterMetrics:
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
+        self.cached_tokens = Counter(
+            "llmgw_router_prompt_cached_tokens",
+            "Prompt tokens the engine reported it served from its prefix cache "
+            "(only where it reports them)",
+            ["model"],
+            registry=registry,
+        )
+        self.guesses = Counter(
+            "llmgw_router_prefix_guesses",
+            "The prefix index's guesses checked against the engine's report: hit (the "
+            "engine had at least half of what was guessed), miss, none (nothing guessed)",
+            ["model", "endpoint", "outcome"],
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
             "llmgw_router_prompt_tokens",
             "Prompt tokens, where the engine reported usage",
@@ -152,6 +166,12 @@ class RouterMetrics:
     def upstream_failure(self, model: str, endpoint: str, phase: str) -> None:
         self.failures.labels(model, endpoint, phase).inc()
 
+    def prompt_cache(self, model: str, endpoint: str, cached: int, outcome: str | None) -> None:
+        """An engine reported how much of a prompt it had cached; `outcome`: how the
+        prefix index's guess fared ("hit", "miss"; None: it guessed nothing)."""
+        self.cached_tokens.labels(model).inc(cached)
+        self.guesses.labels(model, endpoint, outcome or "none").inc()
+
     def tokens(self, model: str, prompt: int | None, completion: int | None) -> None:
         if prompt is not None:
             self.prompt_tokens.labels(model).inc(prompt)
@@ -219,6 +239,28 @@ class _StateCollector(Collector):
             "Seconds since the endpoint's load was last read (left out before the first read)",
             labels=["model", "endpoint"],
         )
+        pending_prefill = GaugeMetricFamily(
+            "llmgw_router_endpoint_pending_prefill_tokens",
+            "Estimated uncached prompt tokens of requests the router sent and the "
+            "engine has not begun to answer",
+            labels=["model", "endpoint"],
+        )
+        pending_decode = GaugeMetricFamily(
+            "llmgw_router_endpoint_pending_decode_tokens",
+            "Expected output tokens of requests the router has in flight there",
+            labels=["model", "endpoint"],
+        )
+        blocks = GaugeMetricFamily(
+            "llmgw_router_prefix_index_blocks",
+            "Prompt blocks the router's prefix index holds for the endpoint",
+            labels=["model", "endpoint"],
+        )
+        retention = GaugeMetricFamily(
+            "llmgw_router_prefix_retention_seconds",
+            "How long the endpoint's engine is learned to keep a prompt cached "
+            "(left out until a guess has missed)",
+            labels=["model", "endpoint"],
+        )
         scoring = router.score_config()
         for name, model in router.models().items():
             stats = model.admission.statistics()
@@ -229,6 +271,11 @@ class _StateCollector(Collector):
             for s in model.endpoints:
                 labels = [name, s.endpoint.endpoint_id]
                 ep_in_flight.add_metric(labels, s.in_flight)
+                pending_prefill.add_metric(labels, s.pending_prefill)
+                pending_decode.add_metric(labels, s.pending_decode)
+                blocks.add_metric(labels, len(s.index))
+                if s.index.retention_s is not None:
+                    retention.add_metric(labels, s.index.retention_s)
                 healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
                 for st in BreakerState:
                     breaker.add_metric([*labels, st.value], 1.0 if s.breaker.state is st else 0.0)
@@ -241,4 +288,5 @@ class _StateCollector(Collector):
                     if value is not None:
                         family.add_metric(labels, value)
         yield from (depth, in_flight, limit, ep_in_flight, healthy, breaker, running, waiting, kv)
+        yield from (pending_prefill, pending_decode, blocks, retention)
         yield age

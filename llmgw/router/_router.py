@@ -16,6 +16,8 @@ engine cancels its generation.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -35,7 +37,16 @@ from prometheus_client import CollectorRegistry
 from llmgw.config import BoundError, between, positive
 from llmgw.core._admission import Admission, AdmissionConfig, Band, Queued, Reject
 from llmgw.core._breaker import Breaker, BreakerConfig
-from llmgw.core._scoring import EndpointLoad, ScoringConfig, choose
+from llmgw.core._prefix import NO_MATCH, Match, PrefixIndex, chain
+from llmgw.core._scoring import (
+    POLICIES,
+    Decision,
+    EndpointLoad,
+    RequestEstimate,
+    ScoringConfig,
+    choose,
+    explain,
+)
 from llmgw.router import _request_id, _server, _surface
 from llmgw.router._keys import ApiKey, CachedKeys, KeyStore
 from llmgw.router._metrics import RouterMetrics
@@ -68,6 +79,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 PRIORITY_HEADER = b"x-llmgw-priority"
+EXPLAIN_HEADER = b"x-llmgw-explain"
 
 # Response headers that describe one hop's connection, not the message.
 _HOP_HEADERS = frozenset(
@@ -104,6 +116,11 @@ def _non_negative(_: object, attribute: attrs.Attribute[Any], value: int) -> Non
         raise BoundError(attribute.name, f"must be ≥ 0 (got {value})")
 
 
+def _policy(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value not in POLICIES:
+        raise BoundError(attribute.name, f"must be one of {', '.join(POLICIES)} (got {value!r})")
+
+
 def share(total: int, index: int, workers: int) -> int:
     """Worker `index`'s part of a limit of `total` split between `workers` processes.
 
@@ -138,6 +155,16 @@ class RouterConfig:
     concurrency: int | None = attrs.field(default=None, validator=_positive)
     slots_per_endpoint: int = attrs.field(default=64, validator=_positive)
     affinity_header: str | None = None
+    # How an endpoint is chosen (llmgw/core/_scoring.py): expected cost with the
+    # prefix cache counted, the same without it, or plain rotation (a baseline).
+    policy: str = attrs.field(default="prefix", validator=_policy)
+    # No endpoint takes a request that puts it over (1 + epsilon) x the model's mean.
+    load_bound_epsilon: float = attrs.field(default=0.25, validator=between(0, 10))
+    # The prefix index (llmgw/core/_prefix.py): block size, blocks kept per endpoint
+    # (about 100 bytes each), and the half-life of a match's credit.
+    prefix_block_bytes: int = attrs.field(default=256, validator=between(16, 1 << 20))
+    prefix_blocks_per_endpoint: int = attrs.field(default=8192, validator=between(1, 1 << 24))
+    prefix_half_life_s: float = attrs.field(default=300.0, validator=positive(86400))
     breaker_failures: int = attrs.field(default=5, validator=_positive)
     breaker_open_s: float = attrs.field(default=10.0, validator=positive(3600))
     key_cache_ttl_s: float = attrs.field(default=30.0, validator=positive(86400))
@@ -165,15 +192,102 @@ class _ClientGone(Exception):
     """The client closed its connection before its request was read."""
 
 
-class _Model:
-    """One served name: its endpoints and its admission."""
+def _ewma(old: float | None, new: float, weight: float = 0.1) -> float:
+    return new if old is None else old + weight * (new - old)
 
-    __slots__ = ("admission", "endpoints", "name")
+
+class _Model:
+    """One served name: its endpoints, its admission, and what its answers taught.
+
+    The request estimate learns from the engines' reports: prompt bytes per
+    token (the rendering's bytes over the engine's prompt_tokens), output
+    tokens per answer, and what one output token costs in prompt tokens
+    (llama.cpp's timings). Until a report comes, the defaults stand.
+    """
+
+    __slots__ = (
+        "admission",
+        "bytes_per_token",
+        "decode_cost",
+        "endpoints",
+        "name",
+        "output_tokens",
+        "rotation",
+    )
 
     def __init__(self, name: str, admission: Admission) -> None:
         self.name = name
         self.admission = admission
         self.endpoints: tuple[EndpointState, ...] = ()
+        self.bytes_per_token: float | None = None
+        self.output_tokens: float | None = None
+        self.decode_cost: float | None = None
+        self.rotation = 0
+
+    def estimate(self, prompt: _Prompt | None) -> RequestEstimate:
+        if prompt is None:
+            return RequestEstimate(prompt_tokens=0.0, output_tokens=self._output(None))
+        return RequestEstimate(
+            prompt_tokens=len(prompt.text) / (self.bytes_per_token or 4.0),
+            output_tokens=self._output(prompt.max_tokens),
+            decode_cost=self.decode_cost or 4.0,
+        )
+
+    def _output(self, limit: int | None) -> float:
+        typical = self.output_tokens if self.output_tokens is not None else 64.0
+        return typical if limit is None else min(float(limit), typical)
+
+    def learn(self, prompt: _Prompt | None, report: _surface.CacheReport) -> None:
+        if prompt is not None and report.prompt_tokens and report.prompt_tokens >= 16:
+            ratio = len(prompt.text) / report.prompt_tokens
+            if 0.05 <= ratio <= 64:
+                self.bytes_per_token = _ewma(self.bytes_per_token, ratio)
+        if report.completion_tokens is not None:
+            self.output_tokens = _ewma(self.output_tokens, float(report.completion_tokens))
+        per_prompt, per_output = report.prompt_ms_per_token, report.output_ms_per_token
+        # A handful of uncached tokens is computed at a poor rate: not a fair reading.
+        if per_prompt and per_output and (report.prompt_n or 0) >= 256:
+            ratio = per_output / per_prompt
+            if 0.1 <= ratio <= 10_000:
+                self.decode_cost = _ewma(self.decode_cost, ratio)
+
+
+@attrs.frozen
+class _Prompt:
+    """A request's prompt as the prefix index sees it."""
+
+    text: bytes  # the canonical rendering (_surface.prompt_bytes)
+    blocks: tuple[int, ...]  # its chain hashes; empty when the policy does not use them
+    max_tokens: int | None
+
+
+class _Sent:
+    """One attempt's share of an endpoint's own load, taken back exactly once each."""
+
+    __slots__ = ("decode", "guessed_tokens", "match", "prefill", "state")
+
+    def __init__(
+        self, state: EndpointState, prefill: float, decode: float, match: Match, guessed: float
+    ) -> None:
+        self.state = state
+        self.prefill = prefill
+        self.decode = decode
+        self.match = match
+        self.guessed_tokens = guessed
+        state.in_flight += 1
+        state.pending_prefill += prefill
+        state.pending_decode += decode
+
+    def answering(self) -> None:
+        """The answer has begun: the prompt is processed."""
+        self.state.pending_prefill = max(0.0, self.state.pending_prefill - self.prefill)
+        self.prefill = 0.0
+
+    def done(self) -> None:
+        self.answering()
+        self.state.pending_decode = max(0.0, self.state.pending_decode - self.decode)
+        self.decode = 0.0
+        self.state.in_flight -= 1
 
 
 class _Waiter:
@@ -195,6 +309,8 @@ class _Exchange:
         "content_type",
         "errors",
         "model",
+        "prompt",
+        "report",
         "responded",
         "status",
         "ttft",
@@ -210,6 +326,8 @@ class _Exchange:
         self.responded = False
         self.client_gone = False
         self.ttft: float | None = None
+        self.prompt: _Prompt | None = None
+        self.report: _surface.CacheReport | None = None  # the engine's, from the answer
 
 
 class Router:
@@ -225,8 +343,10 @@ class Router:
         registry: CollectorRegistry | None = None,
         rng: random.Random | None = None,
         worker: int = 0,
+        admin_key: str | None = None,
     ) -> None:
-        """`worker`: this process's index among `config.workers` (its share of the limits)."""
+        """`worker`: this process's index among `config.workers` (its share of the limits).
+        `admin_key`: the key whose requests may ask `x-llmgw-explain: 1`."""
         if not 0 <= worker < config.workers:
             raise ValueError(f"worker must be 0 to {config.workers - 1} (workers), got {worker}")
         self.config = config
@@ -249,9 +369,13 @@ class Router:
             idle_s=config.idle_timeout_s,
         )
         self._scoring = ScoringConfig(
+            policy=config.policy,  # type: ignore[arg-type]  # checked by RouterConfig
             scrape_interval_s=config.scrape_interval_s,
             stale_after_intervals=config.stale_after_intervals,
+            epsilon=config.load_bound_epsilon,
         )
+        self._use_prefix = config.policy == "prefix"
+        self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
         self._breaker_config = BreakerConfig(
             failure_threshold=config.breaker_failures, open_s=config.breaker_open_s
         )
@@ -297,6 +421,10 @@ class Router:
                     "waiting": s.waiting,
                     "kv_usage": s.kv_usage,
                     "scraped_at": s.scraped_at,
+                    "pending_prefill": s.pending_prefill,
+                    "pending_decode": s.pending_decode,
+                    "prefix_blocks": len(s.index),
+                    "prefix_retention_s": s.index.retention_s,
                     "breaker": s.breaker.state.value,
                     "pool": s.pool.statistics(),
                 }
@@ -356,6 +484,10 @@ class Router:
                         ep,
                         Breaker(self._breaker_config, name=ep.endpoint_id),
                         keepalive_s=self.config.upstream_keepalive_s,
+                        index=PrefixIndex(
+                            self.config.prefix_blocks_per_endpoint,
+                            self.config.prefix_half_life_s,
+                        ),
                     )
                 elif state.endpoint != ep:
                     state.endpoint = ep
@@ -518,6 +650,63 @@ class Router:
         ex.status = 200
         await _json(send, 200, {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"})
 
+    def _need_admin(self, scope: Scope) -> None:
+        token = _surface.api_key(scope["headers"])
+        if self._admin_digest is None:
+            raise HttpError(
+                403,
+                f"{EXPLAIN_HEADER.decode()}: this router has no admin key configured, "
+                "so it explains no decisions",
+                type="permission_error",
+                code="explain_not_allowed",
+            )
+        if not token or not hmac.compare_digest(
+            hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest(), self._admin_digest
+        ):
+            raise HttpError(
+                403,
+                f"{EXPLAIN_HEADER.decode()}: only the admin key may ask why an endpoint "
+                "is chosen (its answer shows the whole fleet's load)",
+                type="permission_error",
+                code="explain_not_allowed",
+            )
+
+    def _prompt(self, path: str, request: dict[str, Any]) -> _Prompt | None:
+        text = _surface.prompt_bytes(path, request)
+        if text is None:
+            return None
+        blocks = tuple(chain(text, self.config.prefix_block_bytes)) if self._use_prefix else ()
+        return _Prompt(text, blocks, _surface.output_limit(request))
+
+    def explain(self, model: str, path: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Which endpoint a request would go to now, and why (nothing is sent or recorded).
+
+        For the control plane's `POST /api/route` (`llmgw ctl route`); raises HttpError
+        for an unknown model or a route without a prompt.
+        """
+        return self._explain(model, self._prompt(path, request))
+
+    def _explain(self, name: str, prompt: _Prompt | None) -> dict[str, Any]:
+        model = self.models().get(name)
+        if model is None:
+            raise HttpError(
+                404,
+                f"the model {name!r} does not exist (see GET /v1/models)",
+                type="invalid_request_error",
+                code="model_not_found",
+            )
+        now = trio.current_time()
+        loads, _ = self._loads(list(model.endpoints), model, prompt, now)
+        decision = explain(
+            loads,
+            model.estimate(prompt),
+            now,
+            random.Random(0),
+            self._scoring,
+            rotation=model.rotation,
+        )
+        return _decision_json(name, decision, prompt, self.config.prefix_block_bytes)
+
     async def _authenticate(self, scope: Scope) -> ApiKey:
         token = _surface.api_key(scope["headers"])
         if not token:
@@ -643,7 +832,11 @@ class Router:
         route: Route,
         ex: _Exchange,
     ) -> None:
-        key = await self._authenticate(scope)
+        explaining = _header(scope, EXPLAIN_HEADER) not in (None, b"", b"0")
+        if explaining:
+            self._need_admin(scope)
+        else:
+            key = await self._authenticate(scope)
         body = await self._read_body(scope, receive)
         if route.body == "form":
             content_type = _header(scope, b"content-type")
@@ -653,6 +846,12 @@ class Router:
         else:
             request, name = self._parse(body, route.required)
             stream = request.get("stream") is True
+            ex.prompt = self._prompt(scope["path"], request)
+        if explaining:
+            ex.model = name if name in self.models() else ""
+            ex.status = 200
+            await _json(send, 200, self._explain(name, ex.prompt))
+            return
         model = self.models().get(name)
         if model is None:
             raise HttpError(
@@ -762,16 +961,16 @@ class Router:
                 waiter.admitted = True
                 waiter.event.set()
 
-    def _choose(
-        self, model: _Model, now: float, affinity: str | None, tried: set[str]
-    ) -> EndpointState | None:
-        candidates = [s for s in model.endpoints if s.endpoint.endpoint_id not in tried]
-        if not candidates:
-            return None
-        if len(candidates) == 1:
-            only = candidates[0]
-            ok = only.healthy and only.breaker.would_allow(now)
-            return only if ok else None
+    def _loads(
+        self,
+        candidates: list[EndpointState],
+        model: _Model,
+        prompt: _Prompt | None,
+        now: float,
+    ) -> tuple[list[EndpointLoad], list[Match]]:
+        blocks = prompt.blocks if prompt is not None else ()
+        per_block = self.config.prefix_block_bytes / (model.bytes_per_token or 4.0)
+        matches = [s.index.match(blocks, now) if blocks else NO_MATCH for s in candidates]
         loads = [
             EndpointLoad(
                 endpoint_id=s.endpoint.endpoint_id,
@@ -783,13 +982,50 @@ class Router:
                 kv_usage=s.kv_usage,
                 scraped_at=s.scraped_at,
                 slots=s.slots,
+                own_at_scrape=s.own_at_scrape,
+                pending_prefill=s.pending_prefill,
+                pending_decode=s.pending_decode,
+                cached_tokens=m.credit * per_block,
             )
-            for s in candidates
+            for s, m in zip(candidates, matches, strict=True)
         ]
-        chosen = choose(loads, now, self._rng, self._scoring, affinity)
+        return loads, matches
+
+    def _choose(
+        self,
+        model: _Model,
+        now: float,
+        affinity: str | None,
+        tried: set[str],
+        prompt: _Prompt | None = None,
+        estimate: RequestEstimate | None = None,
+    ) -> tuple[EndpointState, Match] | None:
+        candidates = [s for s in model.endpoints if s.endpoint.endpoint_id not in tried]
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            only = candidates[0]
+            if not (only.healthy and only.breaker.would_allow(now)):
+                return None
+            blocks = prompt.blocks if prompt is not None else ()
+            return only, (only.index.match(blocks, now) if blocks else NO_MATCH)
+        loads, matches = self._loads(candidates, model, prompt, now)
+        chosen = choose(
+            loads,
+            estimate or model.estimate(prompt),
+            now,
+            self._rng,
+            self._scoring,
+            affinity,
+            rotation=model.rotation,
+        )
         if chosen is None:
             return None
-        return self._states.get(chosen)
+        model.rotation += 1
+        for state, match in zip(candidates, matches, strict=True):
+            if state.endpoint.endpoint_id == chosen:
+                return state, match
+        return None
 
     async def _proxy(
         self,
@@ -804,11 +1040,14 @@ class Router:
         tried: set[str] = set()
         last: HttpError | None = None
         start = trio.current_time()
+        prompt = ex.prompt
         for attempt in range(self.config.retries + 1):
             now = trio.current_time()
-            state = self._choose(model, now, affinity, tried)
-            if state is None:
+            estimate = model.estimate(prompt)
+            picked = self._choose(model, now, affinity, tried, prompt, estimate)
+            if picked is None:
                 break
+            state, match = picked
             if attempt:
                 self.metrics.retried(model.name)
             eid = state.endpoint.endpoint_id
@@ -817,8 +1056,19 @@ class Router:
             if not breaker.allow(now):
                 continue  # lost the half-open probe to another request since choosing
             final = attempt == self.config.retries
-            state.in_flight += 1
+            per_block = self.config.prefix_block_bytes / (model.bytes_per_token or 4.0)
+            cached = min(estimate.prompt_tokens, match.credit * per_block)
+            sent = _Sent(
+                state,
+                estimate.prompt_tokens - cached,
+                estimate.output_tokens,
+                match,
+                match.blocks * per_block,
+            )
+            if prompt is not None and prompt.blocks:
+                state.index.record(prompt.blocks, now)  # predict-on-route: siblings follow
             verdict = False
+            ex.report = None
             try:
                 try:
                     resp = await state.pool.request(
@@ -842,7 +1092,7 @@ class Router:
                         breaker.failure(trio.current_time())
                         verdict = True
                         self.metrics.upstream_failure(model.name, eid, "status")
-                        again = self._choose(model, trio.current_time(), affinity, tried)
+                        again = self._choose(model, trio.current_time(), affinity, tried, prompt)
                         if not final and again is not None:
                             log.info("%s answered %d; trying another endpoint", eid, resp.status)
                             resp.close()
@@ -850,19 +1100,33 @@ class Router:
                     else:
                         breaker.success(trio.current_time())
                         verdict = True
-                    failed = await self._relay(resp, stream, send, ex, start, state)
+                    failed = await self._relay(resp, stream, send, ex, start, sent)
                 finally:
                     resp.close()
                 if failed is None:
+                    if ex.report is not None:
+                        self._learned(model, prompt, sent, ex.report)
                     return
                 last = failed  # a whole answer broke before any of it was sent: try another
             finally:
-                state.in_flight -= 1
+                sent.done()
                 if not verdict:
                     breaker.cancel(trio.current_time())
         if last is not None:
             raise last
         raise _no_replica(model.name, reachable=bool(model.endpoints))
+
+    def _learned(
+        self, model: _Model, prompt: _Prompt | None, sent: _Sent, report: _surface.CacheReport
+    ) -> None:
+        """The engine's word on the answer: it corrects the index and the estimates."""
+        if report.cached_tokens is not None:
+            index = sent.state.index
+            outcome = index.observe(sent.match, sent.guessed_tokens, report.cached_tokens)
+            self.metrics.prompt_cache(
+                model.name, sent.state.endpoint.endpoint_id, report.cached_tokens, outcome
+            )
+        model.learn(prompt, report)
 
     def _failed(self, model: str, eid: str, exc: UpstreamError) -> HttpError:
         self.metrics.upstream_failure(model, eid, exc.phase)
@@ -876,13 +1140,14 @@ class Router:
         send: Send,
         ex: _Exchange,
         start: float,
-        state: EndpointState,
+        sent: _Sent,
     ) -> HttpError | None:
         """Pass the answer on; the error to retry with when it broke before any byte was sent.
 
         How the body went is the breaker's too (`broken` or `complete`), counted
         apart from the head's verdict: an engine that answers and then hangs.
         """
+        state = sent.state
         headers = [(k, v) for k, v in resp.headers if k not in _HOP_HEADERS]
         ex.status = resp.status
         if not stream or resp.header(b"content-length") is not None:
@@ -893,8 +1158,11 @@ class Router:
                 state.breaker.broken(trio.current_time())
                 return self._failed(ex.model, state.endpoint.endpoint_id, exc)
             state.breaker.complete(trio.current_time())
+            sent.answering()
             if resp.status == 200:
-                self._count_usage(ex.model, data)
+                ex.report = report = _surface.cache_report(data)
+                if report is not None:
+                    self.metrics.tokens(ex.model, report.prompt_tokens, report.completion_tokens)
             ex.responded = True
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             ex.complete = True
@@ -927,8 +1195,12 @@ class Router:
             if first:
                 first = False
                 ex.ttft = trio.current_time() - start
+                sent.answering()
             if b'"usage"' in chunk:
                 self.metrics.tokens(ex.model, *tally.add(chunk))
+                ex.report = _surface.cache_report(chunk) or ex.report
+            elif b'"timings"' in chunk:
+                ex.report = _surface.cache_report(chunk) or ex.report
             if resp.done:
                 state.breaker.complete(trio.current_time())
                 ex.complete = True
@@ -940,8 +1212,6 @@ class Router:
         await send({"type": "http.response.body", "body": b""})
         return None
 
-    def _count_usage(self, model: str, data: bytes) -> None:
-        self.metrics.tokens(model, *_surface.usage(data))
 
 
 def _nests_deeper(body: bytes, limit: int) -> bool:
@@ -1075,3 +1345,53 @@ def _upstream_error(model: str, exc: UpstreamError) -> HttpError:
         type="upstream_error",
         code="upstream_failed",
     )
+
+
+def _decision_json(
+    model: str, decision: Decision, prompt: _Prompt | None, block_bytes: int
+) -> dict[str, Any]:
+    """An explanation as JSON: every figure named, unknown ones null."""
+    per_token = decision.request
+    return {
+        "object": "llmgw.route_explanation",
+        "model": model,
+        "policy": decision.policy,
+        "chosen": decision.chosen,
+        "reason": decision.reason,
+        "bound": {
+            "epsilon": decision.epsilon,
+            "max_requests_per_endpoint": decision.capacity,
+            "average_load": decision.average_load,
+        },
+        "request": {
+            "prompt_bytes": None if prompt is None else len(prompt.text),
+            "prompt_blocks": None if prompt is None else len(prompt.blocks),
+            "block_bytes": block_bytes,
+            "estimated_prompt_tokens": per_token.prompt_tokens,
+            "expected_output_tokens": per_token.output_tokens,
+            "decode_cost": per_token.decode_cost,
+        },
+        "candidates": [
+            {
+                "endpoint": c.endpoint_id,
+                "healthy": c.healthy,
+                "breaker_allows": c.allowed,
+                "within_bound": c.within_bound,
+                "load": c.load,
+                "in_flight": c.in_flight,
+                "cached_tokens": c.cached_tokens,
+                "uncached_tokens": c.uncached_tokens,
+                "pending_prefill_tokens": c.pending_prefill,
+                "pending_decode_tokens": c.pending_decode,
+                "external_requests": c.external,
+                "scraped": {
+                    "running": c.running,
+                    "waiting": c.waiting,
+                    "kv_usage": c.kv_usage,
+                    "age_s": c.scrape_age_s,
+                },
+                "cost": c.cost,
+            }
+            for c in decision.candidates
+        ],
+    }

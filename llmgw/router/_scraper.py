@@ -27,6 +27,7 @@ import trio
 
 from llmgw import engines
 from llmgw.core._breaker import Breaker
+from llmgw.core._prefix import PrefixIndex
 from llmgw.router._types import Endpoint
 from llmgw.router._upstream import Pool, UpstreamError
 
@@ -34,17 +35,22 @@ log = logging.getLogger("llmgw.router.scraper")
 
 
 class EndpointState:
-    """What the router knows about one endpoint: its pools, breaker, own count and load."""
+    """What the router knows about one endpoint: its pools, breaker, own counts, scraped
+    load and prefix index."""
 
     __slots__ = (
         "breaker",
         "endpoint",
         "healthy",
         "in_flight",
+        "index",
         "kv_usage",
         "last_error",
         "misses",
         "no_metrics_logged",
+        "own_at_scrape",
+        "pending_decode",
+        "pending_prefill",
         "pool",
         "running",
         "scrape_pool",
@@ -53,12 +59,24 @@ class EndpointState:
         "waiting",
     )
 
-    def __init__(self, endpoint: Endpoint, breaker: Breaker, keepalive_s: float = 4.0) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        breaker: Breaker,
+        keepalive_s: float = 4.0,
+        index: PrefixIndex | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self.index = index if index is not None else PrefixIndex(8192, 300.0)
         self.pool = Pool(endpoint.host, endpoint.port, keepalive_s=keepalive_s)
         self.scrape_pool = Pool(endpoint.host, endpoint.port, keepalive_s=keepalive_s, max_idle=1)
         self.breaker = breaker
         self.in_flight = 0
+        # The router's own load here (llmgw/core/_scoring.py): estimated uncached prompt
+        # tokens of requests not yet answering, expected output tokens of those in flight.
+        self.pending_prefill = 0.0
+        self.pending_decode = 0.0
+        self.own_at_scrape: int | None = None  # in_flight when the last reading was taken
         self.running: float | None = None
         self.waiting: float | None = None
         self.kv_usage: float | None = None
@@ -75,7 +93,8 @@ class EndpointState:
             f"<EndpointState {e.endpoint_id} {e.model} {e.authority} "
             f"{'healthy' if self.healthy else 'unhealthy'} in_flight={self.in_flight} "
             f"running={self.running} waiting={self.waiting} kv={self.kv_usage} "
-            f"breaker={self.breaker.state.value}>"
+            f"pending_prefill={self.pending_prefill:g} pending_decode={self.pending_decode:g} "
+            f"breaker={self.breaker.state.value} {self.index!r}>"
         )
 
     def close(self) -> None:
@@ -121,9 +140,13 @@ class Scraper:
             names = engines.metric_names(e.engine)
         except Exception:
             names = None
+        # Our own requests the reading counts: the more of the two ends, so that a
+        # request of ours ending mid-reading is not taken for someone else's.
+        own = state.in_flight
         try:
             with trio.fail_after(self.timeout_s):
                 status, body = await state.scrape_pool.get(b"/metrics", self.timeout_s)
+                own = max(own, state.in_flight)
                 running = waiting = kv = None
                 if status == 200 and names is not None:
                     load = engines.parse_load(body.decode("utf-8", "replace"), names)
@@ -175,6 +198,7 @@ class Scraper:
             return
         now = trio.current_time()
         state.running, state.waiting, state.kv_usage = running, waiting, kv
+        state.own_at_scrape = own
         state.scraped_at = now
         state.misses = 0
         state.last_error = None

@@ -269,3 +269,117 @@ def stream_error(shape: ErrorShape, message: str, *, status: int, code: str) -> 
         return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
     body = {"error": {"message": message, "type": "upstream_error", "code": code}}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+# --- the prompt, for the prefix index -----------------------------------------------------
+
+_RS, _US = b"\x1e", b"\x1f"  # record and unit separators: a message's edges, a field's
+
+
+def _text(value: Any) -> bytes:
+    """A content value's bytes: a string as UTF-8, anything else as sorted JSON."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass")
+    if isinstance(value, list):
+        return b"".join(
+            _text(p.get("text")) if isinstance(p, dict) and set(p) <= {"type", "text"} else _text(p)
+            for p in value
+        )
+    return json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def _messages(messages: Any) -> Iterable[bytes]:
+    if not isinstance(messages, list):
+        yield _text(messages)
+        return
+    for m in messages:
+        if not isinstance(m, dict):
+            yield _RS + _text(m)
+            continue
+        yield _RS + _text(m.get("role", "")) + _US + _text(m.get("content", ""))
+        rest = {k: v for k, v in m.items() if k not in ("role", "content")}
+        if rest:
+            yield _US + _text(rest)
+
+
+def prompt_bytes(path: str, request: dict[str, Any]) -> bytes | None:
+    """The request's prompt as one canonical byte string, or None for a route without one.
+
+    Equal message prefixes give equal byte prefixes, whatever the order of the
+    body's keys or its whitespace: what the tools and system prompt are comes
+    first (the chat templates put them there), then each message's role and
+    content. Only identity matters here, not the engine's exact template.
+    """
+    if path == "/v1/chat/completions":
+        head = _text(request["tools"]) if "tools" in request else b""
+        return head + b"".join(_messages(request.get("messages")))
+    if path == "/v1/completions":
+        prompt = request.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]  # a batch of one is the prompt itself
+        return _text(prompt)
+    if path == "/v1/messages":
+        head = _text(request["tools"]) if "tools" in request else b""
+        system = _RS + _text(request["system"]) if "system" in request else b""
+        return head + system + b"".join(_messages(request.get("messages")))
+    if path == "/v1/responses":
+        head = _text(request["tools"]) if "tools" in request else b""
+        if "instructions" in request:
+            head += _RS + _text(request["instructions"])
+        return head + b"".join(_messages(request.get("input")))
+    return None
+
+
+def output_limit(request: dict[str, Any]) -> int | None:
+    """The most tokens the request lets the engine write, when it says."""
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = request.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+@attrs.frozen
+class CacheReport:
+    """What an engine said about one answer's prompt: absent figures are None."""
+
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+    prompt_ms_per_token: float | None  # llama.cpp's timings
+    output_ms_per_token: float | None
+    prompt_n: int | None  # llama.cpp: the prompt tokens it computed (the uncached part)
+
+
+_CACHED_TOKENS = re.compile(rb'"(?:cached_tokens|cache_read_input_tokens|cache_n)"\s*:\s*(\d+)')
+_NUMBER = rb"\s*:\s*(\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
+_PROMPT_PER_TOKEN = re.compile(rb'"prompt_per_token_ms"' + _NUMBER)
+_OUTPUT_PER_TOKEN = re.compile(rb'"predicted_per_token_ms"' + _NUMBER)
+_PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
+
+
+def cache_report(data: bytes) -> CacheReport | None:
+    """The prompt-cache figures in a body or a stream's last events; None when there are none.
+
+    OpenAI's shape (`usage.prompt_tokens_details.cached_tokens`: llama.cpp, vLLM
+    with --enable-prompt-tokens-details, SGLang), Anthropic's
+    (`cache_read_input_tokens`) and llama.cpp's `timings` (`cache_n`).
+    """
+    pos = data.find(b'"usage"')
+    tpos = data.find(b'"timings"')
+    if pos < 0 and tpos < 0:
+        return None
+    start = min(p for p in (pos, tpos) if p >= 0)
+    prompt, completion = usage(data) if pos >= 0 else (None, None)
+    cached = _CACHED_TOKENS.search(data, start)
+    ppt = _PROMPT_PER_TOKEN.search(data, start)
+    opt = _OUTPUT_PER_TOKEN.search(data, start)
+    prompt_n = _PROMPT_N.search(data, start)
+    return CacheReport(
+        prompt_tokens=prompt,
+        cached_tokens=int(cached.group(1)) if cached is not None else None,
+        completion_tokens=completion,
+        prompt_ms_per_token=float(ppt.group(1)) if ppt is not None else None,
+        output_ms_per_token=float(opt.group(1)) if opt is not None else None,
+        prompt_n=int(prompt_n.group(1)) if prompt_n is not None else None,
+    )
