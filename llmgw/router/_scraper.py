@@ -7,7 +7,11 @@ that misses `unhealthy_after` readings in a row (refused, timed out, 5xx) is
 marked unhealthy and gets no requests until a reading succeeds again; both
 changes are logged with the endpoint and the reason.
 
-llama.cpp's `/slots` lists the engine's slots: their number becomes the
+llama.cpp has no KV gauge; its `/slots` is read for their number, not as one:
+the busy share of its slots is a second, staler copy of `running`, and the
+router counts its own requests there as they start and end (reading "both
+slots busy" as a full cache would repeat the bug llmgw/core/_scoring.py
+describes). Their number becomes the
 endpoint's `slots` unless the endpoint declares its own, and `on_slots` is
 called when it changes, so admission's concurrency follows the engine (a
 2-slot llama-server gets 2 requests at a time, the rest queue or get 429).
@@ -170,8 +174,6 @@ class Scraper:
                             slots = json.loads(body)
                         except ValueError:
                             slots = None
-                        if kv is None:
-                            kv = engines.slots_usage(slots)
                         if (
                             isinstance(slots, list)
                             and slots
