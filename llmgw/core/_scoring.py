@@ -365,7 +365,7 @@ def explain(
     return Decision(
         policy=config.policy,
         chosen=chosen,
-        reason=_reason(config, chosen, affinity, eligible, loads, cap),
+        reason=_reason(config, chosen, affinity, eligible, loads, cap, len(endpoints)),
         capacity=cap,
         average_load=(sum(loads.values()) / len(loads)) if loads else None,
         epsilon=config.epsilon,
@@ -381,16 +381,20 @@ def _reason(
     eligible: Sequence[EndpointLoad],
     loads: dict[str, float],
     cap: int,
+    listed: int,
 ) -> str:
     if chosen is None:
+        if listed == 0:
+            return "no endpoint serves this model now"
         return "no endpoint is eligible (all unhealthy or their circuits open)"
     if config.policy == "round-robin":
         return "round robin: the next eligible endpoint in turn"
     over = sorted(eid for eid, n in loads.items() if n + 1 > cap)
+    most = f"{cap} request" + ("s" if cap != 1 else "")
     bound = (
-        f"; over the bound of {cap} requests: {', '.join(over)}"
+        f"; over the bound of {most}: {', '.join(over)}"
         if over
-        else f"; all within the bound of {cap} requests"
+        else f"; all within the bound of {most}"
     )
     if affinity is not None and chosen == affinity_target(eligible, affinity):
         return "session affinity: the key's rendezvous endpoint, within the bound" + bound

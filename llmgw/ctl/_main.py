@@ -459,10 +459,14 @@ def _route(args: argparse.Namespace) -> int:
     if not isinstance(request, dict) or not ({"messages", "prompt", "input"} & set(request)):
         request = {"messages": [{"role": "user", "content": text}]}
     request["model"] = args.model
-    path = args.path or (
-        "/v1/completions" if "prompt" in request and "messages" not in request
-        else "/v1/chat/completions"
-    )  # fmt: skip
+    if args.path is not None:
+        path = args.path
+    elif "messages" in request:
+        path = "/v1/chat/completions"
+    elif "prompt" in request:
+        path = "/v1/completions"
+    else:
+        path = "/v1/responses"
     data = api(args, "POST", "/api/v1/route", {"model": args.model, "path": path,
                                                "request": request})  # fmt: skip
     if args.json:
@@ -474,7 +478,8 @@ def _route(args: argparse.Namespace) -> int:
     print(f"  prompt: {_num(r['prompt_bytes'])} bytes, {_num(r['prompt_blocks'])} blocks of "
           f"{r['block_bytes']}, ~{_num(r['estimated_prompt_tokens'])} tokens; "
           f"~{_num(r['expected_output_tokens'])} output tokens")  # fmt: skip
-    print(f"  bound: at most {bound['max_requests_per_endpoint']} requests per endpoint "
+    most = bound["max_requests_per_endpoint"]
+    print(f"  bound: at most {most} request{'s' if most != 1 else ''} per endpoint "
           f"(epsilon {bound['epsilon']:g}, average {_num(bound['average_load'])})")  # fmt: skip
     rows = []
     for c in data["candidates"]:

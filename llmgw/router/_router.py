@@ -678,15 +678,20 @@ class Router:
         blocks = tuple(chain(text, self.config.prefix_block_bytes)) if self._use_prefix else ()
         return _Prompt(text, blocks, _surface.output_limit(request))
 
-    def explain(self, model: str, path: str, request: dict[str, Any]) -> dict[str, Any]:
+    def explain(
+        self, model: str, path: str, request: dict[str, Any], affinity: str | None = None
+    ) -> dict[str, Any]:
         """Which endpoint a request would go to now, and why (nothing is sent or recorded).
 
-        For the control plane's `POST /api/route` (`llmgw ctl route`); raises HttpError
-        for an unknown model or a route without a prompt.
+        For the control plane's `POST /api/v1/route` (`llmgw ctl route`); raises HttpError
+        for an unknown model. A route without a prompt (embeddings, audio) is explained
+        with no prompt: its choice is by load alone.
         """
-        return self._explain(model, self._prompt(path, request))
+        return self._explain(model, self._prompt(path, request), affinity)
 
-    def _explain(self, name: str, prompt: _Prompt | None) -> dict[str, Any]:
+    def _explain(
+        self, name: str, prompt: _Prompt | None, affinity: str | None = None
+    ) -> dict[str, Any]:
         model = self.models().get(name)
         if model is None:
             raise HttpError(
@@ -703,6 +708,7 @@ class Router:
             now,
             random.Random(0),
             self._scoring,
+            affinity,
             rotation=model.rotation,
         )
         return _decision_json(name, decision, prompt, self.config.prefix_block_bytes)
@@ -847,10 +853,16 @@ class Router:
             request, name = self._parse(body, route.required)
             stream = request.get("stream") is True
             ex.prompt = self._prompt(scope["path"], request)
+        affinity = None
+        if self._affinity is not None:
+            for hname, value in scope["headers"]:
+                if hname == self._affinity:
+                    affinity = value.decode("latin-1")
+                    break
         if explaining:
             ex.model = name if name in self.models() else ""
             ex.status = 200
-            await _json(send, 200, self._explain(name, ex.prompt))
+            await _json(send, 200, self._explain(name, ex.prompt, affinity))
             return
         model = self.models().get(name)
         if model is None:
@@ -872,12 +884,6 @@ class Router:
         ex.band = band.name
         if not model.endpoints:
             raise _no_replica(name)
-        affinity = None
-        if self._affinity is not None:
-            for hname, value in scope["headers"]:
-                if hname == self._affinity:
-                    affinity = value.decode("latin-1")
-                    break
 
         args = (model, key.tenant, band, scope["path"], body, stream, affinity, send, ex)
         if _server.EXTENSION in scope.get("extensions", ()):

@@ -206,6 +206,8 @@ class Scraper:
         state.last_error = None
         if not state.healthy:
             state.healthy = True
+            # Unreachable for a while: likely restarted, its prompt cache empty.
+            state.index.forget()
             log.info("endpoint %s (%s) answers again: healthy", e.endpoint_id, e.authority)
 
     def _miss(self, state: EndpointState, reason: str) -> None:

@@ -148,6 +148,7 @@ async def serve_router(
     run: bool = True,
     seed: int = 1,
     server: str = "lean",
+    admin_key: str | None = None,
     **config: Any,
 ) -> AsyncIterator[RunningRouter]:
     """The router in this trio loop, on llmgw's lean server or on hypercorn."""
@@ -156,7 +157,13 @@ async def serve_router(
     from llmgw.router import _hypercorn, _main, _server, listener_limits
 
     source = StaticEndpoints(endpoints, models)
-    router = Router(RouterConfig(**config), source, keys or make_keys(), rng=random.Random(seed))
+    router = Router(
+        RouterConfig(**config),
+        source,
+        keys or make_keys(),
+        rng=random.Random(seed),
+        admin_key=admin_key,
+    )
     async with trio.open_nursery() as nursery:
         if run:
             await nursery.start(router.run)
