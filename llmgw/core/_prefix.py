@@ -26,16 +26,34 @@ The index (one per endpoint)
       take the least recent first, so whenever block i is held, blocks 0..i-1
       are too, and a lookup is a binary search over the prompt's chain:
       O(log blocks) per endpoint, never a scan of the entries.
-    - Time-decayed: a match counts for less as it ages (half of it per
-      `half_life_s`), and an entry older than `EXPIRE_HALF_LIVES` half-lives is
-      dropped: an engine's cache does not keep a prompt for ever.
+    - Time-decayed: a match counts for less as it ages, half of it per
+      half-life, and an entry older than `EXPIRE_HALF_LIVES` configured
+      half-lives is dropped: an engine's cache does not keep a prompt for ever.
     - Corrected by the engine: where an engine says how much of a prompt it
       had cached (`usage.prompt_tokens_details.cached_tokens`), the router
       compares it with the index's guess (`observe`). A guess that missed at
-      age a says the engine keeps prompts for less than a; one that hit says
-      for at least a. The index learns that retention (`retention_s`, None
-      until a miss is seen) and gives no credit to older matches, so an engine
-      with a small cache is not credited with prompts it has dropped.
+      age a says the engine keeps prompts for less than that; one that hit
+      says at least that. The endpoint's half-life (`half_life_s`, from the
+      configured one down to `MIN_HALF_LIFE_S`) moves halfway toward the age
+      of each miss younger than it and of each hit older than it, so an
+      engine with a small cache gets little credit for old matches. Never
+      none: an old match still breaks a tie toward where the prompt last
+      went, so the router keeps sending a prompt to one engine (which then
+      holds it) instead of spreading it, and a cold cache over every
+      endpoint. Measured on two llama-servers with a hard cut-off instead,
+      the learned cut-off fell to 1.4 s, homes drifted, and the engines' hit
+      ratio fell to round robin's.
+    - In flight is not evicted: a chain is `begin`-ed at dispatch, `computed`
+      when its answer starts (its blocks' times move to that moment: the
+      engine holds it from then) and `end`-ed when the request ends. A sibling
+      matched while another request with its prefix is in flight there is
+      routed there all the same (its later siblings hit), but the engine's
+      "not cached" for it is no sign of eviction and teaches nothing
+      (`Match.pending`): the first may still be in prefill, and llama.cpp
+      cannot share a prompt held in a busy slot. Measured on two
+      llama-servers without this, siblings 0.4-0.6 s behind their first
+      "missed", the retention fell below a second, and the index stopped
+      crediting anything.
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ from collections.abc import Sequence
 import attrs
 
 EXPIRE_HALF_LIVES = 8.0
+MIN_HALF_LIFE_S = 0.1
 # A report of at least this share of the guessed cached part counts as a hit.
 _HIT_SHARE = 0.5
 # How far one observation moves the learned retention toward what it saw.
@@ -71,6 +90,11 @@ class Match:
     blocks: int
     age_s: float | None  # None: nothing matched
     credit: float  # blocks, decayed by age; 0 past the learned retention
+    # Another request with the deepest matched block is in flight there: the engine
+    # may not hold it where this one can use it yet (still in prefill, or, in
+    # llama.cpp, in a busy slot's memory), so "not cached" says nothing of how long
+    # it keeps prompts.
+    pending: bool = False
 
 
 NO_MATCH = Match(0, None, 0.0)
@@ -81,11 +105,12 @@ class PrefixIndex:
 
     __slots__ = (
         "_entries",
+        "_pending",
         "capacity",
         "half_life_s",
         "hits",
+        "max_half_life_s",
         "misses",
-        "retention_s",
     )
 
     def __init__(self, capacity: int, half_life_s: float) -> None:
@@ -94,9 +119,12 @@ class PrefixIndex:
         if not (math.isfinite(half_life_s) and half_life_s > 0):
             raise ValueError(f"half_life_s must be a positive number, got {half_life_s}")
         self._entries: OrderedDict[int, float] = OrderedDict()
+        # Blocks of chains of requests in flight here: block -> how many. At most the
+        # endpoint's in-flight requests' blocks.
+        self._pending: dict[int, int] = {}
         self.capacity = capacity
-        self.half_life_s = half_life_s
-        self.retention_s: float | None = None
+        self.max_half_life_s = half_life_s  # as configured
+        self.half_life_s = half_life_s  # as learned from the engine
         self.hits = 0
         self.misses = 0
 
@@ -104,9 +132,9 @@ class PrefixIndex:
         return len(self._entries)
 
     def __repr__(self) -> str:
-        keep = "unknown" if self.retention_s is None else f"{self.retention_s:.1f} s"
         return (
-            f"<PrefixIndex {len(self._entries)}/{self.capacity} blocks, retention {keep}, "
+            f"<PrefixIndex {len(self._entries)}/{self.capacity} blocks, "
+            f"half-life {self.half_life_s:.1f} s, "
             f"{self.hits} hits {self.misses} misses>"
         )
 
@@ -122,10 +150,9 @@ class PrefixIndex:
                 lo = mid
             else:
                 hi = mid - 1
-        age = max(0.0, now - entries[blocks[lo - 1]])
-        if self.retention_s is not None and age > self.retention_s:
-            return Match(lo, age, 0.0)
-        return Match(lo, age, lo * 0.5 ** (age / self.half_life_s))
+        deepest = blocks[lo - 1]
+        age = max(0.0, now - entries[deepest])
+        return Match(lo, age, lo * 0.5 ** (age / self.half_life_s), deepest in self._pending)
 
     def record(self, blocks: Sequence[int], now: float) -> None:
         """The chain was sent here at `now`: the engine will hold it."""
@@ -135,33 +162,62 @@ class PrefixIndex:
             entries.move_to_end(h)
         while len(entries) > self.capacity:
             entries.popitem(last=False)
-        horizon = now - EXPIRE_HALF_LIVES * self.half_life_s
+        horizon = now - EXPIRE_HALF_LIVES * self.max_half_life_s
         while entries:
             oldest = next(iter(entries.values()))
             if oldest >= horizon:
                 break
             entries.popitem(last=False)
 
+    def begin(self, blocks: Sequence[int]) -> None:
+        """A request with this chain was sent here; `end` it when it ends."""
+        pending = self._pending
+        for h in blocks:
+            pending[h] = pending.get(h, 0) + 1
+
+    def computed(self, blocks: Sequence[int], now: float) -> None:
+        """That request's answer has begun: the engine holds the chain from `now`."""
+        entries = self._entries
+        for h in reversed(blocks):  # as record(): parents stay more recent
+            if h in entries:
+                entries[h] = now
+                entries.move_to_end(h)
+
+    def end(self, blocks: Sequence[int]) -> None:
+        """That request has ended (answered, failed or cancelled)."""
+        pending = self._pending
+        for h in blocks:
+            n = pending.get(h, 0)
+            if n <= 1:
+                pending.pop(h, None)
+            else:
+                pending[h] = n - 1
+
     def observe(self, guessed: Match, guessed_tokens: float, cached_tokens: int) -> str | None:
         """The engine said it had `cached_tokens` of a prompt the index guessed held
-        `guessed_tokens` deep (matched at `guessed.age_s`): learn the retention.
-        Returns "hit" or "miss" for the guess, None when nothing was guessed."""
+        `guessed_tokens` deep (matched at `guessed.age_s`): learn the half-life.
+        Returns "hit", "miss", "pending" (a miss while another request with the
+        prefix was in flight there: nothing learned), or None when nothing was guessed."""
         age = guessed.age_s
         if age is None or guessed_tokens <= 0:
             return None
+        if guessed.pending and cached_tokens < _HIT_SHARE * guessed_tokens:
+            return "pending"
         if cached_tokens >= _HIT_SHARE * guessed_tokens:
             self.hits += 1
-            if self.retention_s is not None and age > self.retention_s:
-                self.retention_s += _LEARN * (age - self.retention_s)
+            if age > self.half_life_s:
+                self.half_life_s = min(
+                    self.max_half_life_s, self.half_life_s + _LEARN * (age - self.half_life_s)
+                )
             return "hit"
-        else:
-            self.misses += 1
-            if self.retention_s is None:
-                self.retention_s = age
-            elif age < self.retention_s:
-                self.retention_s -= _LEARN * (self.retention_s - age)
-            return "miss"
+        self.misses += 1
+        if age < self.half_life_s:
+            self.half_life_s = max(
+                MIN_HALF_LIFE_S, self.half_life_s - _LEARN * (self.half_life_s - age)
+            )
+        return "miss"
 
     def forget(self) -> None:
         """The engine restarted or was replaced: it holds nothing the index says."""
-        self._entries.clear()
+        self._entries.clear()  # pending counts stay: their requests still end
+        self.half_life_s = self.max_half_life_s

@@ -254,15 +254,29 @@ def choose(
     rotation: int = 0,
 ) -> str | None:
     """The endpoint to send a request to, or None when no endpoint is eligible."""
+    return decide(endpoints, request, now, rng, config, affinity, rotation)[0]
+
+
+def decide(
+    endpoints: Sequence[EndpointLoad],
+    request: RequestEstimate,
+    now: float,
+    rng: random.Random,
+    config: ScoringConfig = ScoringConfig(),
+    affinity: str | None = None,
+    rotation: int = 0,
+) -> tuple[str | None, bool]:
+    """`choose`, and whether the bound moved the request off a cheaper endpoint (a
+    spill: the router then leaves the prompt's home where it was)."""
     # On every request's path: one pass for the figures, one for the costs, and the
     # same helpers `cost` and `load` use (explain shows what this computes).
     eligible = [e for e in endpoints if e.healthy and e.allowed]
     if not eligible:
-        return None
+        return None, False
     if len(eligible) > 1:
         eligible.sort(key=_ID)
     if config.policy == "round-robin":
-        return eligible[rotation % len(eligible)].endpoint_id
+        return eligible[rotation % len(eligible)].endpoint_id, False
     rows = []
     total = 0.0
     for e in eligible:
@@ -277,7 +291,7 @@ def choose(
         target = affinity_target(eligible, affinity)
         for r in within:
             if r[0].endpoint_id == target:
-                return target
+                return target, False
     best = math.inf
     tied: list[str] = []
     for e, _, ext, is_fresh in within:
@@ -287,7 +301,13 @@ def choose(
             tied = [e.endpoint_id]
         elif c - best <= _TIE * max(1.0, abs(best)):
             tied.append(e.endpoint_id)
-    return tied[0] if len(tied) == 1 else rng.choice(tied)
+    chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
+    spilled = len(within) < len(rows) and any(
+        _cost(e, request, ext, is_fresh, config) < best - _TIE * max(1.0, abs(best))
+        for e, n, ext, is_fresh in rows
+        if n + 1 > cap
+    )
+    return chosen, spilled
 
 
 @attrs.frozen

@@ -255,10 +255,10 @@ class _StateCollector(Collector):
             "Prompt blocks the router's prefix index holds for the endpoint",
             labels=["model", "endpoint"],
         )
-        retention = GaugeMetricFamily(
-            "llmgw_router_prefix_retention_seconds",
-            "How long the endpoint's engine is learned to keep a prompt cached "
-            "(left out until a guess has missed)",
+        half_life = GaugeMetricFamily(
+            "llmgw_router_prefix_half_life_seconds",
+            "Half-life of the prefix index's credit for the endpoint, learned from its "
+            "engine's cache reports (starts at prefix_half_life_s)",
             labels=["model", "endpoint"],
         )
         scoring = router.score_config()
@@ -274,8 +274,7 @@ class _StateCollector(Collector):
                 pending_prefill.add_metric(labels, s.pending_prefill)
                 pending_decode.add_metric(labels, s.pending_decode)
                 blocks.add_metric(labels, len(s.index))
-                if s.index.retention_s is not None:
-                    retention.add_metric(labels, s.index.retention_s)
+                half_life.add_metric(labels, s.index.half_life_s)
                 healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
                 for st in BreakerState:
                     breaker.add_metric([*labels, st.value], 1.0 if s.breaker.state is st else 0.0)
@@ -288,5 +287,5 @@ class _StateCollector(Collector):
                     if value is not None:
                         family.add_metric(labels, value)
         yield from (depth, in_flight, limit, ep_in_flight, healthy, breaker, running, waiting, kv)
-        yield from (pending_prefill, pending_decode, blocks, retention)
+        yield from (pending_prefill, pending_decode, blocks, half_life)
         yield age

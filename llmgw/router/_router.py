@@ -44,7 +44,7 @@ from llmgw.core._scoring import (
     EndpointLoad,
     RequestEstimate,
     ScoringConfig,
-    choose,
+    decide,
     explain,
 )
 from llmgw.router import _request_id, _server, _surface
@@ -202,7 +202,8 @@ class _Model:
     The request estimate learns from the engines' reports: prompt bytes per
     token (the rendering's bytes over the engine's prompt_tokens), output
     tokens per answer, and what one output token costs in prompt tokens
-    (llama.cpp's timings). Until a report comes, the defaults stand.
+    (llama.cpp's timings, their lower envelope: the cost when the engine is not
+    also busy with another's prefill). Until a report comes, the defaults stand.
     """
 
     __slots__ = (
@@ -249,7 +250,11 @@ class _Model:
         if per_prompt and per_output and (report.prompt_n or 0) >= 256:
             ratio = per_output / per_prompt
             if 0.1 <= ratio <= 10_000:
-                self.decode_cost = _ewma(self.decode_cost, ratio)
+                # The lower envelope: an answer that shared the engine with another's
+                # prefill reads its tokens as 10x dearer than they are (measured: 85
+                # against 8 alone), and that would make any busy endpoint look dear.
+                old = self.decode_cost
+                self.decode_cost = ratio if old is None or ratio < old else _ewma(old, ratio, 0.02)
 
 
 @attrs.frozen
@@ -262,29 +267,50 @@ class _Prompt:
 
 
 class _Sent:
-    """One attempt's share of an endpoint's own load, taken back exactly once each."""
+    """One attempt's share of an endpoint's own load and of its index's in-flight
+    prefills, each taken back exactly once."""
 
-    __slots__ = ("decode", "guessed_tokens", "match", "prefill", "state")
+    __slots__ = ("blocks", "decode", "guessed_tokens", "match", "prefill", "state")
 
     def __init__(
-        self, state: EndpointState, prefill: float, decode: float, match: Match, guessed: float
+        self,
+        state: EndpointState,
+        prefill: float,
+        decode: float,
+        match: Match,
+        guessed: float,
+        blocks: tuple[int, ...],
+        now: float,
     ) -> None:
         self.state = state
         self.prefill = prefill
         self.decode = decode
         self.match = match
         self.guessed_tokens = guessed
+        self.blocks: tuple[int, ...] | None = blocks  # None once ended
         state.in_flight += 1
         state.pending_prefill += prefill
         state.pending_decode += decode
+        if blocks:
+            state.index.record(blocks, now)  # predict-on-route: siblings follow
+            state.index.begin(blocks)
 
     def answering(self) -> None:
-        """The answer has begun: the prompt is processed."""
+        """The answer has begun: the prompt is processed, and the engine holds it."""
+        if self.prefill < 0:
+            return
         self.state.pending_prefill = max(0.0, self.state.pending_prefill - self.prefill)
-        self.prefill = 0.0
+        self.prefill = -1.0  # taken back
+        if self.blocks:
+            self.state.index.computed(self.blocks, trio.current_time())
 
     def done(self) -> None:
-        self.answering()
+        if self.prefill >= 0:  # ended before its answer began
+            self.state.pending_prefill = max(0.0, self.state.pending_prefill - self.prefill)
+            self.prefill = -1.0
+        if self.blocks:
+            self.state.index.end(self.blocks)
+        self.blocks = None
         self.state.pending_decode = max(0.0, self.state.pending_decode - self.decode)
         self.decode = 0.0
         self.state.in_flight -= 1
@@ -424,7 +450,7 @@ class Router:
                     "pending_prefill": s.pending_prefill,
                     "pending_decode": s.pending_decode,
                     "prefix_blocks": len(s.index),
-                    "prefix_retention_s": s.index.retention_s,
+                    "prefix_half_life_s": s.index.half_life_s,
                     "breaker": s.breaker.state.value,
                     "pool": s.pool.statistics(),
                 }
@@ -1005,7 +1031,8 @@ class Router:
         tried: set[str],
         prompt: _Prompt | None = None,
         estimate: RequestEstimate | None = None,
-    ) -> tuple[EndpointState, Match] | None:
+    ) -> tuple[EndpointState, Match, bool] | None:
+        """The endpoint, its index's match, and whether the bound spilled it there."""
         candidates = [s for s in model.endpoints if s.endpoint.endpoint_id not in tried]
         if not candidates:
             return None
@@ -1014,9 +1041,9 @@ class Router:
             if not (only.healthy and only.breaker.would_allow(now)):
                 return None
             blocks = prompt.blocks if prompt is not None else ()
-            return only, (only.index.match(blocks, now) if blocks else NO_MATCH)
+            return only, (only.index.match(blocks, now) if blocks else NO_MATCH), False
         loads, matches = self._loads(candidates, model, prompt, now)
-        chosen = choose(
+        chosen, spilled = decide(
             loads,
             estimate or model.estimate(prompt),
             now,
@@ -1030,7 +1057,7 @@ class Router:
         model.rotation += 1
         for state, match in zip(candidates, matches, strict=True):
             if state.endpoint.endpoint_id == chosen:
-                return state, match
+                return state, match, spilled
         return None
 
     async def _proxy(
@@ -1053,7 +1080,7 @@ class Router:
             picked = self._choose(model, now, affinity, tried, prompt, estimate)
             if picked is None:
                 break
-            state, match = picked
+            state, match, spilled = picked
             if attempt:
                 self.metrics.retried(model.name)
             eid = state.endpoint.endpoint_id
@@ -1070,9 +1097,11 @@ class Router:
                 estimate.output_tokens,
                 match,
                 match.blocks * per_block,
+                # A spill is not the prompt's new home: recorded there, one overflow
+                # would move it (and every engine would end up holding every prompt).
+                prompt.blocks if prompt is not None and not spilled else (),
+                now,
             )
-            if prompt is not None and prompt.blocks:
-                state.index.record(prompt.blocks, now)  # predict-on-route: siblings follow
             verdict = False
             ex.report = None
             try:

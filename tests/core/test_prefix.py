@@ -76,24 +76,51 @@ def test_memory_per_block_is_as_documented() -> None:
     assert used / blocks * 8192 < 1.3 * 2**20
 
 
-def test_the_engine_teaches_the_index_how_long_it_keeps_prompts() -> None:
+def test_the_engine_teaches_the_index_how_fast_to_decay() -> None:
     index = PrefixIndex(capacity=1000, half_life_s=600)
     blocks = chain(b"p" * 160, B)
     index.record(blocks, now=0)
     guess = index.match(blocks, now=30)
-    assert index.retention_s is None and guess.credit > 9
-    # The engine had none of it at age 30: it keeps prompts for less than that.
+    assert index.half_life_s == 600 and guess.credit == pytest.approx(10 * 0.5 ** (30 / 600))
+    # The engine had none of it at age 30: the half-life moves halfway toward 30.
     assert index.observe(guess, guessed_tokens=40, cached_tokens=0) == "miss"
-    assert index.retention_s == 30
-    assert index.match(blocks, now=31).credit == 0  # older than it keeps: no credit
-    assert index.match(blocks, now=31).blocks == 10  # ... but still known, to learn from
-    # A hit at age 20 and another at 29 move the retention toward what was seen.
-    assert index.observe(index.match(blocks, now=20), 40, cached_tokens=40) == "hit"
-    assert index.retention_s == 30
-    index.observe(index.match(blocks, now=40), 40, cached_tokens=39)
-    assert index.retention_s == pytest.approx(35)
+    assert index.half_life_s == pytest.approx(315)
+    assert index.observe(index.match(blocks, now=30), 40, cached_tokens=0) == "miss"
+    assert index.half_life_s == pytest.approx(172.5)
+    # An old match still counts for something: it breaks ties toward the prompt's home.
+    assert 0 < index.match(blocks, now=1000).credit < 0.2
+    # A hit younger than the half-life teaches nothing; an older one moves it up.
+    assert index.observe(index.match(blocks, now=100), 40, cached_tokens=40) == "hit"
+    assert index.half_life_s == pytest.approx(172.5)
+    assert index.observe(index.match(blocks, now=372.5), 40, cached_tokens=39) == "hit"
+    assert index.half_life_s == pytest.approx(272.5)
     assert index.observe(NO_MATCH, 0, cached_tokens=100) is None
-    assert (index.hits, index.misses) == (2, 1)
+    assert (index.hits, index.misses) == (2, 2)
+    index.forget()
+    assert len(index) == 0 and index.half_life_s == 600
+
+
+def test_a_miss_while_the_prefix_is_in_flight_there_teaches_nothing() -> None:
+    """A sibling sent while its first is still in prefill (or, in llama.cpp, held in a
+    busy slot) is reported uncached: that is no eviction, and the half-life stays."""
+    index = PrefixIndex(capacity=1000, half_life_s=60)
+    first = chain(b"s" * 160 + b"first question..", B)
+    sibling = chain(b"s" * 160 + b"second question.", B)
+    index.record(first, now=0)
+    index.begin(first)
+    guess = index.match(sibling, now=0.4)
+    assert guess.blocks == 10 and guess.pending
+    assert index.observe(guess, 40, cached_tokens=0) == "pending"
+    assert index.half_life_s == 60 and index.misses == 0
+    # Its answer begins at 0.8 s: the engine holds it from then.
+    index.computed(first, now=0.8)
+    assert index.match(sibling, now=0.8).age_s == 0
+    index.end(first)
+    later = index.match(sibling, now=10)
+    assert not later.pending
+    assert index.observe(later, 40, cached_tokens=0) == "miss"
+    assert index.half_life_s == pytest.approx(34.6)  # age 9.2: held from 0.8 s
+    assert index._pending == {}
 
 
 def test_bad_parameters_are_refused() -> None:

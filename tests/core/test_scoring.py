@@ -16,6 +16,7 @@ from llmgw.core._scoring import (
     capacity,
     choose,
     cost,
+    decide,
     explain,
     external,
     load,
@@ -172,6 +173,15 @@ def test_the_bound_makes_affinity_yield_before_a_hotspot() -> None:
     warm = ep("warm", cached=2000, in_flight=2)
     cold = ep("cold")
     assert pick(warm, cold) == "cold"
+    # ... and says it was a spill (the router then leaves the prompt's home alone).
+    assert decide([warm, cold], REQ, NOW, random.Random(0), CONFIG) == ("cold", True)
+    assert decide([ep("warm", cached=2000), cold], REQ, NOW, random.Random(0), CONFIG) == (
+        "warm",
+        False,
+    )
+    # Excluded, but dearer anyway: not a spill.
+    busy_cold = ep("busy", in_flight=2)
+    assert decide([busy_cold, cold], REQ, NOW, random.Random(0), CONFIG) == ("cold", False)
     # Loads (1, 1): both fit, and the cache decides.
     assert pick(ep("warm", cached=2000, in_flight=1), ep("cold", in_flight=1)) == "warm"
     # A larger epsilon lets more pile on first.

@@ -144,7 +144,7 @@ async def test_a_flood_of_one_prefix_spreads_once_the_bound_is_reached(
     eps = [llamas[0].endpoint("l0"), llamas[1].endpoint("l1")]
     system = system_prompt(99)
 
-    async def flood(epsilon: float) -> tuple[list[float], int]:
+    async def flood(epsilon: float) -> tuple[list[float], int, list[int]]:
         async with (
             serve_router(eps, scrape_interval_s=0.2, load_bound_epsilon=epsilon) as r,
             httpx.AsyncClient(timeout=120) as h,
@@ -164,11 +164,13 @@ async def test_a_flood_of_one_prefix_spreads_once_the_bound_is_reached(
                 for i in range(8):
                     nursery.start_soon(one, i)
             after = [await trio.to_thread.run_sync(s.predicted) for s in llamas]
-            return [b - a for a, b in zip(before, after, strict=True)], home
+            blocks = [len(r.router.endpoint_states()[f"l{i}"].index) for i in range(2)]
+            return [b - a for a, b in zip(before, after, strict=True)], home, blocks
 
-    bounded, home = await flood(0.25)
+    bounded, home, blocks = await flood(0.25)
     assert bounded[home] > 0 and bounded[1 - home] > 0, bounded  # spread, affinity first
-    unbounded, home = await flood(10.0)
+    assert blocks[home] > 0, blocks
+    unbounded, home, _ = await flood(10.0)
     assert unbounded[1 - home] == 0 and unbounded[home] > 0, unbounded
 
 
