@@ -720,12 +720,7 @@ class Router:
     ) -> dict[str, Any]:
         model = self.models().get(name)
         if model is None:
-            raise HttpError(
-                404,
-                f"the model {name!r} does not exist (see GET /v1/models)",
-                type="invalid_request_error",
-                code="model_not_found",
-            )
+            raise _unknown_model(name)
         now = trio.current_time()
         loads, _ = self._loads(list(model.endpoints), model, prompt, now)
         decision = explain(
@@ -892,12 +887,7 @@ class Router:
             return
         model = self.models().get(name)
         if model is None:
-            raise HttpError(
-                404,
-                f"the model {name!r} does not exist (see GET /v1/models)",
-                type="invalid_request_error",
-                code="model_not_found",
-            )
+            raise _unknown_model(name)
         ex.model = name
         if not key.may_use(name):
             raise HttpError(
@@ -1329,6 +1319,15 @@ def _too_large(limit: int) -> HttpError:
         f"the request body is over the limit of {limit} bytes",
         type="invalid_request_error",
         code="request_too_large",
+    )
+
+
+def _unknown_model(name: str) -> HttpError:
+    return HttpError(
+        404,
+        f"the model {name!r} does not exist (see GET /v1/models)",
+        type="invalid_request_error",
+        code="model_not_found",
     )
 
 
