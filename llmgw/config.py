@@ -8,6 +8,7 @@ reports every problem with its path, one line each:
 from __future__ import annotations
 
 import math
+import os
 import re
 import socket
 import typing
@@ -176,6 +177,15 @@ class AgentConfig:
 
 
 @attrs.define(kw_only=True, frozen=True)
+class MirrorConfig:
+    """server.yaml's `mirror:`: the weights under `dir`, served on a listener of their own."""
+
+    dir: Path | None = None  # null: no mirror
+    listen: HostPort = HostPort("0.0.0.0:8082")
+    tls: bool = True  # the control plane's server certificate; false: plain HTTP
+
+
+@attrs.define(kw_only=True, frozen=True)
 class ServerConfig:
     state_dir: Path = Path("/var/lib/llmgw")
     rpc_listen: HostPort = HostPort("0.0.0.0:7070")
@@ -204,6 +214,7 @@ class ServerConfig:
     rpc_handshake_timeout_s: float = attrs.field(default=5.0, validator=positive(300))
     rpc_max_pending_handshakes: int = attrs.field(default=256, validator=between(1, 65536))
     models: list[dict[str, Any]] = attrs.field(factory=list)  # the catalog: llmgw.cp._catalog
+    mirror: MirrorConfig = attrs.field(factory=MirrorConfig)  # llmgw.cp._mirror
 
 
 @attrs.define(kw_only=True, frozen=True)
@@ -401,6 +412,26 @@ def check_tls_files(tls: TlsFiles, source: str | Path, key: str = "tls") -> None
             problems.append(f"{source}: {key}.{name}: cannot read {path}: {exc.strerror or exc}")
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def check_mirror_dir(mirror: MirrorConfig, source: str | Path, key: str = "mirror") -> None:
+    """`mirror.dir`, when set, is a directory this process can list, or a ConfigError naming it.
+
+    `server.yaml: mirror.dir: no such directory: /srv/weights`.
+    """
+    path = mirror.dir
+    if path is None:
+        return
+    where = f"{source}: {key}.dir"
+    try:
+        with os.scandir(path) as entries:
+            next(entries, None)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such directory: {path}") from None
+    except NotADirectoryError:
+        raise ConfigError(f"{where}: not a directory: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot list {path}: {exc.strerror or exc}") from None
 
 
 def unstructure(value: Any) -> Any:

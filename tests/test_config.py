@@ -340,3 +340,64 @@ def test_check_tls_files_names_each_missing_key(tmp_path: Path) -> None:
         f"agent.yaml: tls.cert: a directory, not a file: {tmp_path}/dir",
         f"agent.yaml: tls.key: no such file: {tmp_path}/k",
     ]
+
+
+# The weights mirror (`mirror:` in server.yaml) ----------------------------------------
+
+
+def test_mirror_defaults_to_none_and_its_keys_are_checked() -> None:
+    server = config.structure({"tls": TLS}, config.ServerConfig, "s.yaml")
+    assert server.mirror == config.MirrorConfig(
+        dir=None, listen=config.HostPort("0.0.0.0:8082"), tls=True
+    )
+    on = config.structure(
+        {"tls": TLS, "mirror": {"dir": "/srv/w", "listen": "[::1]:9000", "tls": False}},
+        config.ServerConfig,
+        "s.yaml",
+    )
+    assert on.mirror == config.MirrorConfig(
+        dir=Path("/srv/w"), listen=config.HostPort("[::1]:9000"), tls=False
+    )
+    body = {"mirror": {"dir": 3, "listen": "8082", "tls": "yes", "port": 8082}}
+    assert sorted(_error(body, config.ServerConfig, "server.yaml")) == [
+        "server.yaml: mirror.dir: expected a path, got 3",
+        "server.yaml: mirror.listen: not a host:port (got '8082')",
+        "server.yaml: mirror.port: unknown key",
+        "server.yaml: mirror.tls: expected true or false, got 'yes'",
+    ]
+    assert _error({"mirror": "/srv/w"}, config.ServerConfig, "server.yaml") == [
+        "server.yaml: mirror: expected a mapping, got '/srv/w'"
+    ]
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_a_mirror_dir_that_is_not_a_directory_stops_llmgw_cp(tmp_path: Path, kind: str) -> None:
+    for name in ("ca.crt", "server.crt", "server.key"):
+        (tmp_path / name).write_text("x")
+    target = tmp_path / "weights"
+    if kind == "file":
+        target.write_text("not a directory")
+    path = tmp_path / "server.yaml"
+    path.write_text(
+        f"state_dir: {tmp_path / 'state'}\n"
+        f"tls: {{ca: {tmp_path}/ca.crt, cert: {tmp_path}/server.crt, key: {tmp_path}/server.key}}\n"
+        f"mirror: {{dir: {target}}}\n"
+    )
+    done, took = _run("llmgw-cp", path)
+    assert done.returncode == 2, done.stderr
+    problem = "no such directory" if kind == "missing" else "not a directory"
+    assert done.stderr.strip().splitlines() == [
+        f"llmgw-cp: {path}: mirror.dir: {problem}: {target}"
+    ]
+    assert "Traceback" not in done.stderr + done.stdout
+    assert took < 5.0
+    assert not (tmp_path / "state").exists()  # refused before anything was started or written
+
+
+def test_check_mirror_dir(tmp_path: Path) -> None:
+    config.check_mirror_dir(config.MirrorConfig(), "s.yaml")  # no mirror: nothing to check
+    config.check_mirror_dir(config.MirrorConfig(dir=tmp_path), "s.yaml")
+    with pytest.raises(
+        ConfigError, match=rf"^s.yaml: mirror.dir: no such directory: {tmp_path}/nope$"
+    ):
+        config.check_mirror_dir(config.MirrorConfig(dir=tmp_path / "nope"), "s.yaml")

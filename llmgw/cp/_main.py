@@ -19,6 +19,7 @@ from llmgw.cp import _catalog_file
 from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
 from llmgw.cp._catalog_file import CatalogFile
 from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
+from llmgw.cp._mirror import serve_mirror
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
 from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         # Before anything starts: a missing file is named by its key, not only its path.
         config.check_tls_files(cfg.tls, args.config)
+        config.check_mirror_dir(cfg.mirror, args.config)
     except ConfigError as exc:
         print(f"llmgw-cp: {exc}", file=sys.stderr)
         return 2
@@ -173,6 +175,8 @@ async def serve(
                 bound,
                 f" ({workers} workers, this is 0)" if hub is not None else "",
             )
+        if cfg.mirror.dir is not None:
+            await _start_mirror(nursery, cfg, cfg.mirror.dir)
         log.info(
             "control plane ready: agents on %s:%d, admin API on http://%s",
             rpc_host,
@@ -180,6 +184,24 @@ async def serve(
             cfg.admin_listen,
         )
         task_status.started()
+
+
+async def _start_mirror(nursery: trio.Nursery, cfg: config.ServerConfig, root: Path) -> None:
+    """The weights mirror on its own listener: bytes only, nothing administrative."""
+    host, port = config.split_host_port(cfg.mirror.listen)
+    # The RPC listener's certificate and key, in a context of its own (the RPC one lives
+    # in the capnp thread); it asks for a client certificate from the same CA, as the RPC
+    # listener does: the agents hold one.
+    ctx = _tls.server_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key) if cfg.mirror.tls else None
+    bound = await nursery.start(partial(serve_mirror, root, host, port, ssl_context=ctx))
+    shown = f"[{host}]" if ":" in host else host
+    log.info(
+        "weights mirror on %s://%s:%d/ serving %s",
+        "https" if ctx is not None else "http",
+        shown,
+        bound,
+        root,
+    )
 
 
 def _policy(cfg: config.ServerConfig) -> core.LivenessPolicy:
