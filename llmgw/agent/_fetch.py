@@ -60,15 +60,11 @@ import attrs
 import h11
 import trio
 
-from llmgw.core import Manifest, ManifestError, cache_name, check_manifest
+from llmgw.core import MARKER, PARTIAL_SUFFIX, Manifest, ManifestError, cache_name, check_manifest
 from llmgw.errors import LlmgwError
 
 log = logging.getLogger("llmgw.agent.fetch")
 
-# The cache layout's names, as llmgw.core._weights defines them (not yet exported from
-# llmgw.core; tests/agent/test_fetch.py checks they agree).
-PARTIAL_SUFFIX = ".partial"
-MARKER = ".llmgw-complete"
 ETAG_SUFFIX = ".etag"  # beside the partial: <name>.partial.etag
 WRITE_BYTES = 1 << 20  # bytes buffered before one write in a thread
 PROGRESS_INTERVAL_S = 1.0

@@ -45,6 +45,8 @@ from llmgw.core._scoring import (
     explain,
 )
 from llmgw.core._weights import (
+    MARKER,
+    PARTIAL_SUFFIX,
     Manifest,
     ManifestError,
     ManifestFile,
@@ -66,6 +68,8 @@ from llmgw.core._weights import (
 )
 
 __all__ = [
+    "MARKER",
+    "PARTIAL_SUFFIX",
     "Admission",
     "AdmissionConfig",
     "Admit",

@@ -22,9 +22,8 @@ import pytest
 import trio
 import trustme
 
-from llmgw.agent import _fetch
 from llmgw.agent._fetch import ETAG_SUFFIX, MARKER, Fetcher, FetchError
-from llmgw.core import _weights, cache_name
+from llmgw.core import cache_name
 from llmgw.cp._mirror import serve_mirror
 
 MiB = 1 << 20
@@ -155,10 +154,6 @@ class RawServer:
         with contextlib.suppress(trio.BrokenResourceError):
             await stream.send_all(head.encode() + b"\r\n" + body)
         await stream.aclose()
-
-
-def test_the_layout_names_are_the_cores() -> None:
-    assert (_fetch.MARKER, _fetch.PARTIAL_SUFFIX) == (_weights.MARKER, _weights.PARTIAL_SUFFIX)
 
 
 # --- plain fetches --------------------------------------------------------------------
