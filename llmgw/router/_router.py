@@ -1003,7 +1003,6 @@ class Router:
                 running=s.running,
                 kv_usage=s.kv_usage,
                 scraped_at=s.scraped_at,
-                slots=s.slots,
                 own_at_scrape=s.own_at_scrape,
                 pending_prefill=s.pending_prefill,
                 pending_decode=s.pending_decode,

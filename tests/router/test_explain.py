@@ -7,7 +7,6 @@ process) with fake engines as real processes behind it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from typing import Any
 
 import httpx
 import trio
+from helpers import start_router
 
 from llmgw.testing.cluster import free_port, wait_for
 from router.conftest import SECRET_A, FakeEngine, RunningRouter, sample, serve_router
@@ -293,13 +293,7 @@ def test_router_only_admin_key_file_lets_that_key_explain(
     port = free_port()
     cfg = _router_file(tmp_path, port, fe.port, key_file)
     log = tmp_path / "router.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw.router", "--config", str(cfg)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    proc = start_router(cfg, log)
     try:
         wait_for("router", lambda: "router listening" in log.read_text(), timeout=20, interval=0.1)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import start_router
 
 from llmgw.errors import ConfigError
 from llmgw.router._main import main, parse
@@ -103,13 +103,7 @@ def test_router_only_process_serves_and_stops_on_sigterm(
         "scrape_interval_s: 0.2\n"
     )
     log = tmp_path / "router.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw.router", "--config", str(cfg)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    proc = start_router(cfg, log)
     try:
         wait_for("router", lambda: "router listening" in log.read_text(), timeout=20, interval=0.1)
         base = f"http://127.0.0.1:{port}/v1"

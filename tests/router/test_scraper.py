@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from helpers import llama_server_binary
+from helpers import llama_server_binary, start_router
 
 from llmgw.testing.cluster import free_port, wait_for
 from router.conftest import SECRET_A, FakeEngine, sample, serve_router
@@ -182,15 +180,7 @@ def test_a_real_two_slot_llama_server_gets_two_requests_at_a_time(
             "keys:\n  - {key: llmgw-static-one, tenant: t0}\n"
             "scrape_interval_s: 0.2\n"
         )
-        with open(router_log, "wb") as f:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "llmgw.router", "--config", str(cfg)],
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                )
-            )
+        procs.append(start_router(cfg, router_log))
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
 
         def metric(name: str, **labels: str) -> float | None:

@@ -13,13 +13,13 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers import start_router
 
 from llmgw.errors import ConfigError
 from llmgw.router._main import parse
@@ -106,13 +106,7 @@ def test_two_workers_spread_divide_restart_and_stop(
         "workers: 2\nconcurrency: 4\nqueue_limit: 0\nscrape_interval_s: 0.5\n"
     )
     log = tmp_path / "router.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw.router", "--config", str(cfg)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    proc = start_router(cfg, log)
 
     def listening() -> dict[int, int]:
         """worker index -> pid of its latest 'listening' line."""
