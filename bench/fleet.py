@@ -517,6 +517,9 @@ def run_one(
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
         result["cp_cpu_pct"] = 100 * (cpu_b - cpu_a) / (w1 - w0)
+        # Since its start (the storm included): never 0 for a live process, where a short
+        # window's figure may be, at /proc's 10 ms resolution.
+        result["cp_cpu_s"] = cpu_b
         result["client_cpu_pct"] = 100 * (client_b - client_a) / (w1 - w0)
         result["client_processes"] = clients
         result["cp_rss_mib"] = rss1 / 2**20

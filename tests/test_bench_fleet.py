@@ -50,7 +50,8 @@ def test_fleet_bench_smoke(tmp_path: Path) -> None:
     # The readings came from the control plane's /proc entries, not defaults.
     assert result["cp_rss_mib"] > 20
     assert math.isfinite(result["rss_per_agent_kib"])
-    assert result["cp_cpu_pct"] > 0
+    # /proc counts CPU in 10 ms ticks: a 1.5 s window of 60 heartbeats may read 0 ticks.
+    assert result["cp_cpu_s"] > 0 and 0 <= result["cp_cpu_pct"] < 400
     assert result["nodes_get_s"] > 0 and result["nodes_get_mib"] > 0
     assert "20 agents (heartbeat every 0.5 s):" in done.stdout
     assert "register storm" in done.stdout
