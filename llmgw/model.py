@@ -126,6 +126,9 @@ class Weights:
 
     fingerprint: str
     files: tuple[WeightFile, ...] = ()
+    # The agent's weights directory (resolved), where fetched sources live under
+    # their cache names (llmgw.core.cache_name); None: an agent that fetches nothing.
+    dir: str | None = None
 
 
 @attrs.frozen
@@ -228,6 +231,7 @@ class ShardReport:
     rank: int = 0
     ranks: int = 1
     gpus: tuple[str, ...] = ()  # UUIDs of the cards it was given
+    source: str | None = None  # its spec's source: a fetch's progress ends with a transition
 
 
 @attrs.frozen
@@ -268,6 +272,10 @@ class ShardSpec:
     rank: int = 0
     ranks: int = 1
     gpus: tuple[str, ...] = ()
+    # The catalog source the agent makes ready before launch: checks a local path,
+    # fetches a URL or `mirror:` source, and puts the local path in place of every
+    # argv element equal to it. None: nothing to check (a shard started by hand).
+    source: str | None = None
 
 
 @attrs.frozen
@@ -307,13 +315,35 @@ class Settings:
 
     heartbeat_interval_s: float
     epoch: int
+    # The weights mirror's port on the host the agent dialled (`mirror:` sources
+    # resolve against it), and whether it speaks TLS; None: no mirror is served.
+    mirror_port: int | None = None
+    mirror_tls: bool = False
 
 
 @attrs.frozen
 class Progress:
-    shard_id: str
+    """A fetch's progress: one per source per node, however many shards wait on it."""
+
+    source: str  # the catalog's source text, as in ShardSpec.source
     done_bytes: int
-    total_bytes: int | None = None
+    total_bytes: int | None = None  # None: nobody said the length
+
+
+@attrs.frozen
+class Refusal:
+    path: str
+    reason: str  # one of llmgw.core's reclaim reasons ("not a cache name"): stable, for counting
+    detail: str  # one line for the operator
+
+
+@attrs.frozen
+class Reclaimed:
+    """What an agent's reclaim removed (or, in a dry run, would remove) and refused."""
+
+    removed: tuple[str, ...] = ()
+    freed_bytes: int = 0
+    refused: tuple[Refusal, ...] = ()
 
 
 # --- Control plane views ------------------------------------------------------

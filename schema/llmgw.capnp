@@ -87,6 +87,7 @@ struct WeightFile { path @0 :Text; sizeBytes @1 :Int64; }
 struct Weights {
   fingerprint @0 :Text;
   files @1 :List(WeightFile);
+  dir @2 :Text;                # the weights directory; null: the agent fetches nothing
 }
 
 struct Engine { name @0 :Text; path @1 :Text; }
@@ -150,6 +151,7 @@ struct ShardReport {
   rank @10 :Int64;
   ranks @11 :Int64;
   gpus @12 :List(Text);        # UUIDs
+  source @13 :Text;            # the spec's source; null: none
 }
 
 struct Hello {
@@ -170,12 +172,15 @@ struct Heartbeat {
 struct Settings {
   heartbeatIntervalS @0 :Float64;
   epoch @1 :Int64;
+  mirrorPort @2 :OptI64;       # null: no weights mirror; else on the host the agent dialled
+  mirrorTls @3 :Bool;
 }
 
 struct Progress {
-  shardId @0 :Text;
+  shardId @0 :Text;            # retired: a fetch shared by many shards has one progress
   doneBytes @1 :Int64;
   totalBytes @2 :OptI64;
+  source @3 :Text;             # the catalog source being fetched
 }
 
 struct ProcessSpec {
@@ -204,6 +209,7 @@ struct ShardSpec {
   rank @12 :Int64;
   ranks @13 :Int64;
   gpus @14 :List(Text);
+  source @15 :Text;            # fetched or checked before launch; null: nothing to do
 }
 
 struct EnvVar { name @0 :Text; value @1 :Text; }
@@ -211,6 +217,18 @@ struct EnvVar { name @0 :Text; value @1 :Text; }
 struct LogLine {
   source @0 :Text;             # "engine/stdout", "ray-head/stderr", ...
   text @1 :Text;
+}
+
+struct Refusal {
+  path @0 :Text;
+  reason @1 :Text;
+  detail @2 :Text;
+}
+
+struct Reclaimed {
+  removed @0 :List(Text);
+  freedBytes @1 :Int64;
+  refused @2 :List(Refusal);
 }
 
 struct FlagCheck {
@@ -242,7 +260,9 @@ interface Agent {
   stopShard @1 (epoch :Int64, shardId :Text, graceS :Float64) -> ();
   drain @2 (epoch :Int64, shardId :Text) -> ();
   logs @3 (shardId :Text, lines :Int32, follow :Bool, sink :LogSink) -> (tail :List(LogLine));
-  reclaim @4 (epoch :Int64, paths :List(Text), dryRun :Bool) -> (freedBytes :Int64, refused :List(Text));
+  # The agent checks every path again (llmgw.core.may_delete) before unlinking.
+  # (Its results were (freedBytes, refused) before any agent implemented it.)
+  reclaim @4 (epoch :Int64, paths :List(Text), dryRun :Bool) -> (result :Reclaimed);
   inventory @5 () -> (inventory :Inventory);
   engineCheck @6 (engine :Text, argv :List(Text)) -> (check :FlagCheck);
 }

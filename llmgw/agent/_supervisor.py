@@ -131,6 +131,7 @@ class Shard:
             rank=self.spec.rank,
             ranks=self.spec.ranks,
             gpus=self.spec.gpus,
+            source=self.spec.source,
         )
 
 

@@ -151,6 +151,10 @@ async def serve(
         await nursery.start(registry.run)
         await nursery.start(reconciler.run)
         nursery.start_soon(catalog.watch)
+        if cfg.mirror.dir is not None:
+            # Before the RPC listener: every registration's Settings name its port.
+            registry.mirror_port = await _start_mirror(nursery, cfg, cfg.mirror.dir)
+            registry.mirror_tls = cfg.mirror.tls
         rpc_bound = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, registry)
         await nursery.start(hypercorn.trio.serve, admin, hc)
         await nursery.start(router.run)
@@ -175,8 +179,6 @@ async def serve(
                 bound,
                 f" ({workers} workers, this is 0)" if hub is not None else "",
             )
-        if cfg.mirror.dir is not None:
-            await _start_mirror(nursery, cfg, cfg.mirror.dir)
         log.info(
             "control plane ready: agents on %s:%d, admin API on http://%s",
             rpc_host,
@@ -186,8 +188,8 @@ async def serve(
         task_status.started()
 
 
-async def _start_mirror(nursery: trio.Nursery, cfg: config.ServerConfig, root: Path) -> None:
-    """The weights mirror on its own listener: bytes only, nothing administrative."""
+async def _start_mirror(nursery: trio.Nursery, cfg: config.ServerConfig, root: Path) -> int:
+    """The weights mirror on its own listener: bytes only, nothing administrative; its port."""
     host, port = config.split_host_port(cfg.mirror.listen)
     # The RPC listener's certificate and key, in a context of its own (the RPC one lives
     # in the capnp thread); it asks for a client certificate from the same CA, as the RPC
@@ -202,6 +204,7 @@ async def _start_mirror(nursery: trio.Nursery, cfg: config.ServerConfig, root: P
         bound,
         root,
     )
+    return int(bound)
 
 
 def _policy(cfg: config.ServerConfig) -> core.LivenessPolicy:

@@ -542,6 +542,7 @@ class Reconciler:
                 rank=r.rank,
                 ranks=len(where.ranks),
                 gpus=tuple(r.gpu_uuids),
+                source=m.source,
             )
             out.append((r.node_id, spec))
         return out

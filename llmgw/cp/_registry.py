@@ -76,6 +76,10 @@ class NodeRegistry:
         self.policy = policy
         self.forget_after_s = forget_after_s  # a node lost this long is forgotten; None: never
         self.epoch = epoch
+        # The weights mirror agents resolve `mirror:` sources against (on the host they
+        # dialled); None: this control plane serves none.
+        self.mirror_port: int | None = None
+        self.mirror_tls = False
         self._clock = clock
         self._wall = wall
         self._nodes: dict[str, NodeRecord] = {}
@@ -278,7 +282,10 @@ class NodeRegistry:
             self._nursery.start_soon(self._watch, hello.node_id, generation, peer.closed)
         self._changed()
         return _Session(self, hello.node_id, generation), model.Settings(
-            heartbeat_interval_s=self.policy.heartbeat_interval_s, epoch=self.epoch
+            heartbeat_interval_s=self.policy.heartbeat_interval_s,
+            epoch=self.epoch,
+            mirror_port=self.mirror_port,
+            mirror_tls=self.mirror_tls,
         )
 
     async def _watch(self, node_id: str, generation: int, closed: trio.Event) -> None:

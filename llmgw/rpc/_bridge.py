@@ -932,6 +932,22 @@ class AgentHandle(_Handle):
 
         return await self._call("logs", logs)
 
+    async def reclaim(
+        self, epoch: int, paths: tuple[str, ...], dry_run: bool
+    ) -> model.Reclaimed:
+        bridge = self._bridge
+
+        async def reclaim() -> model.Reclaimed:
+            request = bridge._cap(self._cap_id, "reclaim").reclaim_request()
+            request.epoch = epoch
+            request.paths = list(paths)
+            request.dryRun = dry_run
+            response = await request.send()
+            result: model.Reclaimed = _codec.decode(model.Reclaimed, response.result)
+            return result
+
+        return await self._call("reclaim", reclaim)
+
     async def engine_check(self, engine: str, argv: tuple[str, ...]) -> model.FlagCheck:
         bridge = self._bridge
 
@@ -1056,7 +1072,9 @@ class _AgentImpl(schema.Agent.Server):  # type: ignore[misc]
             _codec.encode(line, tail[i])
 
     async def reclaim_context(self, context: Any) -> None:
-        await self._call("reclaim")
+        params = context.params
+        result = await self._call("reclaim", params.epoch, tuple(params.paths), params.dryRun)
+        _codec.encode(result, context.results.init("result"))
 
     async def engineCheck_context(self, context: Any) -> None:
         argv = tuple(context.params.argv)

@@ -34,6 +34,7 @@ def client_tls(pki: Path, node: str):
 class Session:
     def __init__(self) -> None:
         self.beats: list[model.Heartbeat] = []
+        self.progress_seen: list[model.Progress] = []
 
     async def heartbeat(self, beat: model.Heartbeat) -> None:
         self.beats.append(beat)
@@ -42,7 +43,7 @@ class Session:
         pass
 
     async def progress(self, progress: model.Progress) -> None:
-        pass
+        self.progress_seen.append(progress)
 
 
 class Registry:
@@ -65,16 +66,28 @@ class Registry:
         self.peers.append(peer)
         self.hellos.append(hello)
         self.agents.append(agent)
-        return self.session, model.Settings(heartbeat_interval_s=2.5, epoch=7)
+        return self.session, SETTINGS
+
+
+SETTINGS = model.Settings(heartbeat_interval_s=2.5, epoch=7, mirror_port=8082, mirror_tls=True)
 
 
 class Agent:
     def __init__(self, inv: model.Inventory) -> None:
         self.inv = inv
+        self.reclaims: list[tuple[int, tuple[str, ...], bool]] = []
 
     async def inventory(self) -> model.Inventory:
         await trio.sleep(0.01)
         return self.inv
+
+    async def reclaim(self, epoch: int, paths: tuple[str, ...], dry_run: bool) -> model.Reclaimed:
+        self.reclaims.append((epoch, paths, dry_run))
+        return model.Reclaimed(
+            removed=paths[:1],
+            freed_bytes=0 if dry_run else 123,
+            refused=tuple(model.Refusal(p, "not a cache name", f"{p}: no") for p in paths[1:]),
+        )
 
 
 FULL = model.Inventory(
@@ -107,7 +120,7 @@ async def test_register_heartbeat_and_call_back(pki: Path) -> None:
         ) as conn:
             hello = model.Hello(node_id="node-a", agent_version="t", inventory=FULL)
             session, settings = await conn.register(hello)
-            assert settings == model.Settings(heartbeat_interval_s=2.5, epoch=7)
+            assert settings == SETTINGS
             # Absent stays absent, zero stays zero, empty stays empty, across the wire.
             assert registry.hellos == [hello]
             assert registry.peers[0].common_name == "node-a"
@@ -115,8 +128,18 @@ async def test_register_heartbeat_and_call_back(pki: Path) -> None:
             assert registry.session.beats == [model.Heartbeat(seq=3, usage=model.Usage(load1=1.5))]
             # The control plane calls back into the agent over the same connection.
             assert await registry.agents[0].inventory() == FULL
-            with pytest.raises(NotImplementedRemotely, match=r"reclaim"):
-                await registry.agents[0].call_unimplemented("reclaim")
+            with pytest.raises(NotImplementedRemotely, match=r"drain"):
+                await registry.agents[0].call_unimplemented("drain")
+            # Progress is keyed by source; reclaim carries what was removed and refused.
+            progress = model.Progress(source="mirror:/tiny/", done_bytes=5, total_bytes=None)
+            await session.progress(progress)
+            assert registry.session.progress_seen == [progress]
+            got = await registry.agents[0].reclaim(9, ("/w/src-a", "/w/mine"), False)
+            assert got == model.Reclaimed(
+                removed=("/w/src-a",),
+                freed_bytes=123,
+                refused=(model.Refusal("/w/mine", "not a cache name", "/w/mine: no"),),
+            )
         # The agent closed: the server side learns it, and its capabilities break.
         with trio.fail_after(5):
             await registry.peers[0].closed.wait()

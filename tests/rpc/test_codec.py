@@ -56,6 +56,9 @@ TYPES = [
     (model.Heartbeat, schema.Heartbeat),
     (model.ShardReport, schema.ShardReport),
     (model.Progress, schema.Progress),
+    (model.Settings, schema.Settings),
+    (model.ShardSpec, schema.ShardSpec),
+    (model.Reclaimed, schema.Reclaimed),
 ]
 
 

@@ -195,8 +195,8 @@ async def test_every_code_round_trips_through_a_real_connection(pki: Path) -> No
                 await agent.inventory()
             # A method the servant lacks.
             with pytest.raises(NotImplementedRemotely) as missing:
-                await agent.call_unimplemented("reclaim")
-            assert str(missing.value) == "reclaim: reclaim is not supported by this agent yet"
+                await agent.call_unimplemented("drain")
+            assert str(missing.value) == "drain: drain is not supported by this agent yet"
             # And still answering after all that.
             servant.error = None
             assert await agent.inventory() == HOST
