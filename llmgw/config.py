@@ -143,6 +143,9 @@ class AgentConfig:
     reconnect_max_s: float = attrs.field(default=5.0, validator=positive(3600))
     model_dirs: list[Path] = attrs.field(factory=list)
     fetch_dir: Path | None = None
+    # Where fetched sources live, one cache entry per source; created at start, always scanned.
+    weights_dir: Path = Path("/var/lib/llmgw-weights")
+    max_concurrent_fetches: int = attrs.field(default=2, validator=between(1, 64))
     fabrics: dict[str, FabricDecl] = attrs.field(factory=dict)
     sglang_python: str | None = None
     engine_paths: dict[str, str] = attrs.field(factory=dict)  # "vllm" -> /opt/vllm/bin/vllm

@@ -113,6 +113,9 @@ class LocalCluster:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.settle_s = settle_s
         self.models: list[dict[str, Any]] = []
+        # The weights mirror's directory (served over TLS on mirror_port); None: no mirror.
+        self.mirror_dir: Path | None = None
+        self.mirror_port = free_port()
         self.cp: Proc | None = None
         self.agents: dict[str, Proc] = {}
         self.env = dict(os.environ)
@@ -170,6 +173,16 @@ class LocalCluster:
                     "key": str(self.pki / "server.key"),
                 },
                 "models": self.models,
+                **(
+                    {
+                        "mirror": {
+                            "dir": str(self.mirror_dir),
+                            "listen": f"127.0.0.1:{self.mirror_port}",
+                        }
+                    }
+                    if self.mirror_dir is not None
+                    else {}
+                ),
                 **self.server_extra,
             },
         )
@@ -180,6 +193,7 @@ class LocalCluster:
             "node_id": node,
             "servers": [f"{self.rpc_host}:{self.rpc_port}"],
             "state_dir": str(self.root / node),
+            "weights_dir": str(self.root / f"{node}-weights"),
             "reconnect_max_s": 1.0,
             "tls": {
                 "ca": str(self.pki / "ca.crt"),
