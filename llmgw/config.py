@@ -142,9 +142,10 @@ class AgentConfig:
     reconnect_initial_s: float = attrs.field(default=0.5, validator=positive(60))
     reconnect_max_s: float = attrs.field(default=5.0, validator=positive(3600))
     model_dirs: list[Path] = attrs.field(factory=list)
-    fetch_dir: Path | None = None
-    # Where fetched sources live, one cache entry per source; created at start, always scanned.
+    # Where fetched sources live, one cache entry per source; created at start, always
+    # scanned (an operator's own files there are scanned like model_dirs, never reclaimed).
     weights_dir: Path = Path("/var/lib/llmgw-weights")
+    # Downloads at once on this node; more wait (one per source however many shards want it).
     max_concurrent_fetches: int = attrs.field(default=2, validator=between(1, 64))
     fabrics: dict[str, FabricDecl] = attrs.field(factory=dict)
     sglang_python: str | None = None
@@ -330,6 +331,11 @@ def _bounded_structure_fn(cls: Any, conv: cattrs.Converter) -> Any:
 
 _converter = _make_converter()
 
+# Keys a file may still hold from an earlier release: named with what replaced them.
+RENAMED_KEYS: dict[tuple[type, str], str] = {
+    (AgentConfig, "fetch_dir"): "renamed weights_dir: where fetched weights live",
+}
+
 
 def _problems(exc: BaseException, path: str) -> Iterator[str]:
     where = path or "(top level)"
@@ -347,7 +353,8 @@ def _problems(exc: BaseException, path: str) -> Iterator[str]:
             yield from _problems(sub, path)
     elif isinstance(exc, ForbiddenExtraKeysError):
         for key in sorted(exc.extra_fields):
-            yield f"{path + '.' if path else ''}{key}: unknown key"
+            hint = RENAMED_KEYS.get((exc.cl, key), "unknown key")
+            yield f"{path + '.' if path else ''}{key}: {hint}"
     elif isinstance(exc, BoundError):
         yield f"{path + '.' if path else ''}{exc.key}: {exc.message}"
     elif isinstance(exc, KeyError):

@@ -108,7 +108,9 @@ def tiny_catalog(replicas: int) -> list[dict[str, Any]]:
     return [
         {
             "name": "tiny",
-            "source": "/models/tiny.gguf",
+            # A hub id: handed to the fake engine as written (it reads no weights); a
+            # local path must exist on the node, or the agent fails the shard at once.
+            "source": "llmgw-test/tiny",
             "replicas": replicas,
             "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}],
         }

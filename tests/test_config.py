@@ -22,6 +22,8 @@ def test_example_configs_load() -> None:
     assert agent.fabrics["ib-a"].adapters == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
     assert agent.fabrics["ib-a"].interface == "ib0"
     assert agent.model_dirs == [Path("/models")]
+    assert agent.weights_dir == Path("/var/lib/llmgw-weights")
+    assert agent.max_concurrent_fetches == 2
 
 
 def test_server_key_is_tried_first_and_not_twice() -> None:
@@ -38,6 +40,14 @@ def test_server_key_is_tried_first_and_not_twice() -> None:
     [
         ({"servers": ["a:1", "cp1"]}, "agent.yaml: servers[1]: not a host:port (got 'cp1')"),
         ({"servers": ["a:1"], "heartbeat": 5}, "agent.yaml: heartbeat: unknown key"),
+        (
+            {"servers": ["a:1"], "fetch_dir": "/var/lib/w"},
+            "agent.yaml: fetch_dir: renamed weights_dir: where fetched weights live",
+        ),
+        (
+            {"servers": ["a:1"], "max_concurrent_fetches": 0},
+            "agent.yaml: max_concurrent_fetches: must be ≥ 1 and ≤ 64 (got 0)",
+        ),
         (
             {"servers": ["a:1"], "reconnect_max_s": "soon"},
             "agent.yaml: reconnect_max_s: expected a number, got 'soon'",
@@ -111,8 +121,6 @@ def test_processes_refuse_bad_config_in_one_line_exit_2(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert str(path) in lines[0] and expected in lines[0]
-
-
 
 
 # Bounds -------------------------------------------------------------------------
@@ -232,7 +240,12 @@ def test_defaults_and_examples_are_within_bounds() -> None:
     config.structure({"tls": TLS}, config.ServerConfig, "s.yaml")
     config.structure({"tls": TLS}, config.AgentConfig, "a.yaml")
     RouterConfig()
-    assert config.structure({"tls": TLS, "forget_after_s": None}, config.ServerConfig, "s").forget_after_s is None
+    assert (
+        config.structure(
+            {"tls": TLS, "forget_after_s": None}, config.ServerConfig, "s"
+        ).forget_after_s
+        is None
+    )
 
 
 def test_every_interval_and_timeout_has_bounds() -> None:
@@ -250,7 +263,9 @@ def test_every_interval_and_timeout_has_bounds() -> None:
     ]
     seconds = [name for name, a in fields if name.endswith("_s")]
     assert len(seconds) > 15  # the check sees the keys
-    assert [name for name, a in fields if name.endswith("_s") and not config._bounds(a.validator)] == []
+    assert [
+        name for name, a in fields if name.endswith("_s") and not config._bounds(a.validator)
+    ] == []
     assert [name for name, a in fields if a.type in numbers and a.validator is None] == []
 
 
@@ -258,8 +273,16 @@ def test_every_interval_and_timeout_has_bounds() -> None:
 
 TLS_YAML = "tls: {ca: /nonexistent/ca.crt, cert: /nonexistent/c.crt, key: /nonexistent/c.key}\n"
 BROKEN = [
-    ("llmgw-cp", "heartbeat_interval_s: -1", "heartbeat_interval_s: must be > 0 and ≤ 300 (got -1)"),
-    ("llmgw-cp", "reconcile_interval_s: 0", "reconcile_interval_s: must be ≥ 0.1 and ≤ 300 (got 0)"),
+    (
+        "llmgw-cp",
+        "heartbeat_interval_s: -1",
+        "heartbeat_interval_s: must be > 0 and ≤ 300 (got -1)",
+    ),
+    (
+        "llmgw-cp",
+        "reconcile_interval_s: 0",
+        "reconcile_interval_s: must be ≥ 0.1 and ≤ 300 (got 0)",
+    ),
     ("llmgw-cp", "stop_grace_s: -3", "stop_grace_s: must be > 0 and ≤ 3600 (got -3)"),
     ("llmgw-cp", "lost_after_s: -1", "lost_after_s: must be > 0 and ≤ 604800 (got -1)"),
     ("llmgw-cp", "missed_heartbeats: 0", "missed_heartbeats: must be ≥ 1 and ≤ 1000 (got 0)"),

@@ -1,9 +1,10 @@
 """The agent's fetcher: a source's bytes into the weights directory, once, never half-visible.
 
-Not yet called by the supervisor (issue 12 wires it). `Fetcher.fetch(url, kind)`
-brings one source into `<weights_dir>/<cache_name>/` and returns what to hand
-the engine: the file (a file source) or the directory (a version, a URL ending
-in `/`, whose mirror manifest lists the files).
+Called by the supervisor's sources (`llmgw.agent._sources`) before a shard's
+first process. `Fetcher.fetch(url, kind)` brings one source into
+`<weights_dir>/<cache_name>/` and returns what to hand the engine: the file (a
+file source) or the directory (a version, a URL ending in `/`, whose mirror
+manifest lists the files).
 
 - **Single flight.** One download per cache name per Fetcher, however many
   callers wait; every waiter gets the same outcome (the path, or an error with
@@ -60,6 +61,7 @@ import attrs
 import h11
 import trio
 
+from llmgw.agent.discovery import complete_entry
 from llmgw.core import MARKER, PARTIAL_SUFFIX, Manifest, ManifestError, cache_name, check_manifest
 from llmgw.errors import LlmgwError
 
@@ -157,11 +159,21 @@ class Fetcher:
 
     # --- the waiters' side ------------------------------------------------------------
 
-    async def fetch(self, url: str, kind: Kind, *, source: str | None = None) -> Path:
+    async def fetch(
+        self,
+        url: str,
+        kind: Kind,
+        *,
+        source: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> Path:
         """The fetched file (kind "file") or directory (kind "version") of `url`.
 
         `source` is the catalog's text it is cached under (a `mirror:/x/` resolved to
         a URL keeps the name of what the catalog wrote); the URL itself by default.
+        `ssl_context` is this fetch's TLS (the mirror's: the cluster CA and the agent's
+        client certificate); the Fetcher's own by default. A flight already under way
+        keeps the context it started with.
         """
         name = cache_name(source if source is not None else url)
         target = self._check_url(url, kind)
@@ -171,7 +183,8 @@ class Fetcher:
         if flight is None:
             flight = _Flight(name)
             self._flights[name] = flight
-            self._nursery.start_soon(self._fly, flight, url, kind, target)
+            context = ssl_context or self._ssl_context
+            self._nursery.start_soon(self._fly, flight, url, kind, target, context)
         flight.waiters += 1
         try:
             await flight.done.wait()
@@ -207,12 +220,23 @@ class Fetcher:
 
     # --- the download -------------------------------------------------------------------
 
-    async def _fly(self, flight: _Flight, url: str, kind: Kind, base: str | None) -> None:
+    def in_flight(self) -> frozenset[str]:
+        """The cache names being fetched now (reclaim must leave them alone)."""
+        return frozenset(self._flights)
+
+    async def _fly(
+        self,
+        flight: _Flight,
+        url: str,
+        kind: Kind,
+        base: str | None,
+        context: ssl.SSLContext | None,
+    ) -> None:
         lock = self._locks.setdefault(flight.name, trio.Lock())
         try:
             with flight.scope:
                 async with lock, self._limiter:
-                    flight.path = await self._fetch(flight.name, url, base)
+                    flight.path = await self._fetch(flight.name, url, base, context)
         except FetchError as exc:
             flight.error = str(exc)
         except Exception as exc:  # a bug: every waiter hears of it; the service goes on
@@ -232,7 +256,9 @@ class Fetcher:
                 log.info("fetch failed: %s", flight.error)
             flight.done.set()
 
-    async def _fetch(self, name: str, url: str, base: str | None) -> Path:
+    async def _fetch(
+        self, name: str, url: str, base: str | None, context: ssl.SSLContext | None
+    ) -> Path:
         directory = self.weights_dir / name
         done = await trio.to_thread.run_sync(_complete, directory)
         if done is not None:
@@ -241,7 +267,7 @@ class Fetcher:
         meter = _Meter(name, self._progress, self._clock)
         files: list[tuple[str, int | None, str | None]]
         if base is None:
-            manifest = await self._manifest(url)
+            manifest = await self._manifest(url, context)
             files = [(f.name, f.size_bytes, f.sha256) for f in manifest.files]
             meter.total, meter.per_file = manifest.total_bytes, False
         else:
@@ -250,14 +276,14 @@ class Fetcher:
         sizes = []
         for file_name, size, digest in files:
             file_url = _beside(url, file_name) if base is None else url
-            got = await self._file(file_url, directory, file_name, size, digest, meter)
+            got = await self._file(file_url, directory, file_name, size, digest, meter, context)
             sizes.append((file_name, got))
         await _os(url, _write_marker, directory, sizes)
         return directory / files[0][0] if base is not None else directory
 
-    async def _manifest(self, url: str) -> Manifest:
+    async def _manifest(self, url: str, context: ssl.SSLContext | None) -> Manifest:
         limit, max_files = self._max_manifest
-        async with self._request(url, {}) as response:
+        async with self._request(url, {}, context) as response:
             if response.status_code != 200:
                 raise FetchError(await _status_error(url, response))
             data = bytearray()
@@ -277,6 +303,7 @@ class Fetcher:
         size: int | None,
         digest: str | None,
         meter: _Meter,
+        context: ssl.SSLContext | None,
     ) -> int:
         final = directory / name
         partial = directory / (name + PARTIAL_SUFFIX)
@@ -287,7 +314,7 @@ class Fetcher:
             return have
         for _ in range(3):
             try:
-                got = await self._transfer(url, partial, tag_path, size, meter)
+                got = await self._transfer(url, partial, tag_path, size, meter, context)
             except _Restart:
                 await _os(url, _discard, partial, tag_path)
                 continue
@@ -309,14 +336,20 @@ class Fetcher:
         return got
 
     async def _transfer(
-        self, url: str, partial: Path, tag_path: Path, size: int | None, meter: _Meter
+        self,
+        url: str,
+        partial: Path,
+        tag_path: Path,
+        size: int | None,
+        meter: _Meter,
+        context: ssl.SSLContext | None,
     ) -> int:
         """Bring the partial to its full length; its length. Raises _Restart."""
         offset, tag = await _os(url, _resume_point, partial, tag_path, size)
         headers = {"range": f"bytes={offset}-", "if-range": tag} if offset and tag else {}
         if not headers:
             offset = 0
-        async with self._request(url, headers) as response:
+        async with self._request(url, headers, context) as response:
             status = response.status_code
             their_tag = _strong_etag(response)
             if status == 416 and headers:
@@ -408,8 +441,10 @@ class Fetcher:
             raise FetchError(f"{url}: got {written} bytes of {total}; fetching again resumes")
         return written
 
-    def _request(self, url: str, headers: dict[str, str]) -> _Request:
-        return _Request(url, headers, self._timeouts, self._ssl_context)
+    def _request(
+        self, url: str, headers: dict[str, str], context: ssl.SSLContext | None
+    ) -> _Request:
+        return _Request(url, headers, self._timeouts, context)
 
     @contextlib.contextmanager
     def _reading(self, url: str, done: Callable[[], int], total: int | None) -> Iterator[None]:
@@ -644,21 +679,12 @@ async def _os(url: str, fn: Callable[..., _T], *args: Any) -> _T:
 
 
 def _complete(directory: Path) -> list[str] | None:
-    """The file names of a complete cache entry (its marker, files at their sizes), else None."""
-    try:
-        doc = json.loads((directory / MARKER).read_bytes())
-        files = [(str(f["name"]), int(f["size"])) for f in doc["files"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not files:
-        return None
-    for name, size in files:
-        try:
-            if (directory / name).stat().st_size != size:
-                return None
-        except OSError:
-            return None
-    return [name for name, _ in files]
+    """The file names of a complete cache entry (its marker, files at their sizes), else None.
+
+    The same test the weights scan makes (`discovery.complete_entry`): what the scan
+    reports is exactly what the fetcher would not fetch again."""
+    entry = complete_entry(directory)
+    return None if entry is None else [name for name, _ in entry]
 
 
 def _mkdir(directory: Path) -> None:

@@ -13,9 +13,11 @@ import trio
 
 from llmgw import config, model
 from llmgw._process import run_service, setup_logging
+from llmgw.agent._fetch import Fetcher
 from llmgw.agent._node import Node
 from llmgw.agent._servant import AgentServant
 from llmgw.agent._session import AgentSession, Backoff
+from llmgw.agent._sources import ControlPlane, Sources
 from llmgw.agent._supervisor import HealthPolicy, Supervisor
 from llmgw.errors import ConfigError
 from llmgw.rpc import CapnpThread, _tls
@@ -80,15 +82,49 @@ def _inventory(path: Path | None, as_json: bool) -> int:
     return 0
 
 
+def make_weights_dir(cfg: config.AgentConfig) -> None:
+    """Created at start, parents too: disk free is known from the first heartbeat."""
+    try:
+        cfg.weights_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"weights_dir {cfg.weights_dir}: cannot be created ({exc.strerror or exc}); "
+            "name a directory this agent may write in agent.yaml"
+        ) from None
+
+
 async def serve(cfg: config.AgentConfig) -> None:
     _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     tls = _tls.client_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    make_weights_dir(cfg)
     node = Node(cfg)
     session: AgentSession | None = None
 
     def on_shard_change(report: model.ShardReport) -> None:
         if session is not None:
             session.notify_shard(report)
+
+    def on_progress(progress: model.Progress) -> None:
+        if session is not None:
+            session.notify_progress(progress)
+
+    def control_plane() -> ControlPlane | None:
+        known = session.control_plane if session is not None else None
+        return ControlPlane(*known) if known is not None else None
+
+    fetcher = Fetcher(
+        cfg.weights_dir,
+        max_concurrent=cfg.max_concurrent_fetches,
+        progress=lambda name, done, total: sources.progress(name, done, total),
+    )
+    sources = Sources(
+        fetcher,
+        node_id=cfg.node_id,
+        control_plane=control_plane,
+        client_tls=tls,
+        on_fetched=node.rescan_weights,
+        notify_progress=on_progress,
+    )
 
     engine_paths = _engine_paths(cfg)
     supervisor = Supervisor(
@@ -103,6 +139,7 @@ async def serve(cfg: config.AgentConfig) -> None:
         ),
         failed_kept=cfg.failed_shards_kept,
         node_id=cfg.node_id,
+        sources=sources,
     )
     node.llmgw_pids = supervisor.pids
     node.shard_pids = supervisor.shard_pids
@@ -110,7 +147,9 @@ async def serve(cfg: config.AgentConfig) -> None:
         node_id=cfg.node_id,
         addresses=cfg.addresses,
         tls=tls,
-        servant=AgentServant(node, supervisor, engine_paths=engine_paths),
+        servant=AgentServant(
+            node, supervisor, engine_paths=engine_paths, in_flight=fetcher.in_flight
+        ),
         hello_inventory=node.hello_inventory,
         heartbeat=node.heartbeat,
         shards=supervisor.reports,
@@ -125,6 +164,7 @@ async def serve(cfg: config.AgentConfig) -> None:
     async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
         # Adopt surviving engines before registering: the hello reports them,
         # and discovery must know their pids to tell whose GPU memory is whose.
+        await nursery.start(fetcher.run)
         await nursery.start(supervisor.run)
         # Once per process: every reconnect registers with what is known.
         await node.discover()

@@ -97,11 +97,22 @@ class Node:
     def _model_dirs(self) -> list[Path]:
         if self.cfg is None:
             return []
-        return [*self.cfg.model_dirs, *([self.cfg.fetch_dir] if self.cfg.fetch_dir else [])]
+        return list(self.cfg.model_dirs)
+
+    def _weights_dir(self) -> Path | None:
+        return self.cfg.weights_dir if self.cfg is not None else None
 
     def _storage_dirs(self) -> list[Path]:
-        """Where the agent itself writes; without a config, the root filesystem."""
-        return [self.cfg.state_dir] if self.cfg is not None else [Path("/")]
+        """Where the agent itself writes (its state, the fetched weights); without a
+        config, the root filesystem."""
+        if self.cfg is None:
+            return [Path("/")]
+        return [self.cfg.state_dir, self.cfg.weights_dir]
+
+    async def rescan_weights(self) -> None:
+        """Scan the weights again now (a fetch finished, a reclaim deleted): the next
+        heartbeat carries the change."""
+        await trio.to_thread.run_sync(self._rescan, True, False)
 
     # blocking probes (run in a worker thread) ---------------------------------------
 
@@ -115,7 +126,7 @@ class Node:
             root=self._root,
             runner=self._runner,
             model_dirs=cfg.model_dirs if cfg else (),
-            fetch_dir=cfg.fetch_dir if cfg else None,
+            weights_dir=cfg.weights_dir if cfg else None,
             fabrics={name: decl.adapters for name, decl in cfg.fabrics.items()} if cfg else None,
             sglang_python=cfg.sglang_python if cfg else None,
             llmgw_pids=self.llmgw_pids(),
@@ -154,7 +165,9 @@ class Node:
 
     def _rescan(self, weights: bool, engines: bool) -> None:
         if weights:
-            self._weights = discovery.scan_weights(self._model_dirs())
+            self._weights = discovery.scan_weights(
+                self._model_dirs(), weights_dir=self._weights_dir()
+            )
         if engines:
             probed = discovery.probe_engines(
                 self._runner,

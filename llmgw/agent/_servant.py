@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
 from llmgw import engines, model
+from llmgw.agent import _reclaim
 from llmgw.agent._node import Node
 from llmgw.agent._supervisor import Supervisor
 from llmgw.errors import StaleEpoch, UsageError
@@ -24,9 +26,11 @@ class AgentServant:
         supervisor: Supervisor,
         *,
         engine_paths: dict[str, str] | None = None,
+        in_flight: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         self._node = node
         self._supervisor = supervisor
+        self._in_flight = in_flight  # cache names being fetched: reclaim leaves them
         self._engine_paths = dict(engine_paths or {})  # as the supervisor resolves them
         self.newest_epoch = 0
 
@@ -50,6 +54,30 @@ class AgentServant:
     async def stop_shard(self, epoch: int, shard_id: str, grace_s: float) -> None:
         self._fence(epoch)
         await self._supervisor.stop(shard_id, grace_s if grace_s > 0 else None)
+
+    async def reclaim(self, epoch: int, paths: Sequence[str], dry_run: bool) -> model.Reclaimed:
+        """Delete what `may_delete` allows of `paths` in the weights directory, decided
+        again here from the disk as it is; refuse the rest (see `_reclaim`)."""
+        self._fence(epoch)
+        weights_dir = self._node.cfg.weights_dir if self._node.cfg is not None else None
+        if weights_dir is None:
+            raise UsageError("reclaim: this agent has no configuration, so no weights_dir")
+        # Taken now, in the trio thread: what the shards and fetches want at this moment.
+        sources = self._supervisor.held_sources()
+        in_flight = self._in_flight()
+        done = await trio.to_thread.run_sync(
+            functools.partial(
+                _reclaim.reclaim,
+                weights_dir,
+                tuple(paths),
+                sources=sources,
+                in_flight=in_flight,
+                dry_run=dry_run,
+            )
+        )
+        if done.removed and not dry_run:
+            await self._node.rescan_weights()
+        return done
 
     async def logs(self, shard_id: str, lines: int) -> list[model.LogLine]:
         return self._supervisor.tail(shard_id, max(1, min(lines, 1000)))

@@ -9,6 +9,10 @@ leader it names, when it names one).
 agent's (`Node.hello_inventory`) discovers once per process and answers later
 registrations from what it knows plus a fresh usage sample, so a reconnect
 costs no probing.
+
+Progress (`notify_progress`, a fetch's bytes, keyed by source) is not state:
+the latest per source is pushed on the session's `progress` method, dropped
+while not connected and never replayed at registration.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import attrs
 import trio
 
 from llmgw import __version__, model
-from llmgw.errors import Disconnected, PeerError, RegistrationRefused, TlsRefused
+from llmgw.errors import Disconnected, PeerError, RegistrationRefused, RemoteError, TlsRefused
 from llmgw.rpc import CapnpThread, ClientConnection, SessionHandle
 
 log = logging.getLogger("llmgw.agent.session")
@@ -73,11 +77,23 @@ class AgentSession:
         self._last_complaint: str | None = None
         self._pending: dict[str, model.ShardReport] = {}
         self._pending_event = trio.Event()
+        self._progress: dict[str, model.Progress] = {}
+        self._progress_event = trio.Event()
+        self.progress_sent = 0
+        # The last registration: where it dialled and what it was told (the mirror's port).
+        self.control_plane: tuple[str, int, model.Settings] | None = None
 
     def notify_shard(self, report: model.ShardReport) -> None:
         """A shard changed: tell the control plane now if connected, else at registration."""
         self._pending[report.shard_id] = report
         self._pending_event.set()
+
+    def notify_progress(self, progress: model.Progress) -> None:
+        """A fetch moved on: pushed now if connected (the latest per source), else dropped."""
+        if not self.connected.is_set():
+            return
+        self._progress[progress.source] = progress
+        self._progress_event.set()
 
     def __repr__(self) -> str:
         return (
@@ -138,6 +154,7 @@ class AgentSession:
             node=self.node_id,
         ) as conn:
             self._pending.clear()
+            self._progress.clear()
             hello = model.Hello(
                 node_id=self.node_id,
                 agent_version=__version__,
@@ -147,6 +164,7 @@ class AgentSession:
             # Bounded (30 s) in the bridge: DeadlineExceeded, then the next address.
             session, settings = await conn.register(hello, deadline=30.0)
             self.registered_with = f"{host}:{port}"
+            self.control_plane = (host, port, settings)
             self._last_complaint = None
             self.registrations += 1
             self.connected.set()
@@ -189,6 +207,21 @@ class AgentSession:
                     _, report = self._pending.popitem()
                     await session.shard_status(report, deadline=deadline)
 
+        async def push_progress() -> None:
+            while True:
+                await self._progress_event.wait()
+                self._progress_event = trio.Event()
+                while self._progress:
+                    _, progress = self._progress.popitem()
+                    try:
+                        await session.progress(progress, deadline=deadline)
+                    except RemoteError as exc:
+                        # Refused by the control plane: progress is not state, the
+                        # session goes on (a dead or silent peer still ends it).
+                        log.debug("progress for %s refused: %s", progress.source, exc)
+                    else:
+                        self.progress_sent += 1
+
         async def until_failure(fn: Callable[[], Awaitable[None]]) -> None:
             # A failed call ends the session here, outside the nursery's exception group.
             nonlocal failure
@@ -201,6 +234,7 @@ class AgentSession:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(until_failure, beat_forever)
             nursery.start_soon(until_failure, push_shards)
+            nursery.start_soon(until_failure, push_progress)
             await conn.closed.wait()
             nursery.cancel_scope.cancel()
         if failure is not None:

@@ -16,6 +16,13 @@ stays health-checked, and one whose checks fail `health.failures` times in a
 row is reported unhealthy, with those failures as its reason. The last few
 failed shards' directories (logs included) are kept under
 `<state_dir>/failed/` so that `logs` can still say what happened.
+
+Before a new shard's first process, its source is made ready (`_sources`: a
+local path checked, a URL or `mirror:` source fetched) inside the shard's task:
+the shard stays `starting` meanwhile, `stop` cancels the fetch with it, and a
+source that cannot be made ready fails it with that one line. Every argv
+element equal to the source is then the local path; run.json records that
+argv, so adoption after a restart matches it and fetches nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import trio
 from llmgw import config, model
 from llmgw.agent import _procfs
 from llmgw.agent._lifecycle import RUNNING, HealthRun, ShardEvent, next_state
+from llmgw.agent._sources import SourceError, Sources
 from llmgw.errors import LlmgwError, NotFound, UsageError
 from llmgw.model import ShardState
 
@@ -115,6 +123,7 @@ class Shard:
     failed_at: float | None = None  # unix time
     done: trio.Event = attrs.field(factory=trio.Event)
     scope: trio.CancelScope | None = None
+    local_source: str | None = None  # what stands for spec.source in the argv (fetched here)
 
     def report(self) -> model.ShardReport:
         return model.ShardReport(
@@ -177,6 +186,7 @@ class Supervisor:
         failed_kept: int = FAILED_KEPT,
         node_id: str | None = None,
         proc: Path = _procfs.PROC,
+        sources: Sources | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.shards_dir = state_dir / "shards"
@@ -188,6 +198,9 @@ class Supervisor:
         self.failed_kept = failed_kept
         self.node_id = node_id
         self._proc = proc
+        # Makes each new shard's source ready before its first process; None: the argv
+        # goes as written (a source is then the engine's business).
+        self._sources = sources
         self._owner = str(state_dir.resolve())
         self._shards: dict[str, Shard] = {}
         self._nursery: trio.Nursery | None = None
@@ -223,6 +236,14 @@ class Supervisor:
 
     def pids(self) -> set[int]:
         return {p.pid for s in self._shards.values() for p in s.procs}
+
+    def held_sources(self) -> tuple[str, ...]:
+        """The sources of every shard held that is not stopped (reclaim leaves them)."""
+        return tuple(
+            s.spec.source
+            for s in self._shards.values()
+            if s.spec.source is not None and s.state is not ShardState.STOPPED
+        )
 
     def shard_pids(self) -> dict[str, set[int]]:
         return {
@@ -326,6 +347,9 @@ class Supervisor:
 
     async def _spawn(self, shard: Shard, spec: model.ProcessSpec) -> ProcRecord:
         argv = self._resolve(spec.argv)
+        source, local = shard.spec.source, shard.local_source
+        if source is not None and local is not None:
+            argv = [local if a == source else a for a in argv]
         out = shard.dir / f"{spec.name}.stdout.log"
         err = shard.dir / f"{spec.name}.stderr.log"
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
@@ -401,6 +425,11 @@ class Supervisor:
             shard.done.set()
 
     async def _launch_and_watch(self, shard: Shard, nursery: trio.Nursery) -> None:
+        if self._sources is not None:
+            try:
+                shard.local_source = await self._sources.prepare(shard.spec)
+            except SourceError as exc:
+                raise ShardError(str(exc)) from None
         for spec in shard.spec.processes:
             if shard.stopping:
                 return

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import trio
 import trustme
+from helpers import require
 
 from llmgw.agent._fetch import ETAG_SUFFIX, MARKER, Fetcher, FetchError
 from llmgw.core import cache_name
@@ -575,8 +576,11 @@ async def test_disk_full_fails_naming_it_and_leaves_no_partial(tmp_path: Path) -
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(weights)], capture_output=True
     )
-    if mounted.returncode:
-        pytest.skip("cannot mount a small tmpfs here: " + mounted.stderr.decode().strip())
+    # The issue asks for a real small filesystem; under CI its absence fails the test.
+    require(
+        mounted.returncode == 0,
+        "cannot mount a small tmpfs here: " + mounted.stderr.decode().strip(),
+    )
     try:
         root = tmp_path / "mirror"
         root.mkdir()

@@ -97,6 +97,7 @@ async def test_memory_held_by_an_engines_child_and_grandchild_is_not_foreign(
                 servers=[config.HostPort("127.0.0.1:1")],
                 tls=config.TlsFiles(ca=tmp_path / "a", cert=tmp_path / "b", key=tmp_path / "c"),
                 state_dir=tmp_path / "state",
+                weights_dir=tmp_path / "weights",
             )
             node = Node(cfg, runner=discovery.SubprocessRunner(env=env), nvml=None)
             node.llmgw_pids = sup.pids

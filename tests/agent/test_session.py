@@ -118,6 +118,7 @@ def agent_config(tmp_path: Path) -> config.AgentConfig:
         tls=config.TlsFiles(ca=tmp_path / "ca.crt", cert=tmp_path / "c", key=tmp_path / "k"),
         state_dir=tmp_path,
         model_dirs=[tmp_path / "models"],
+        weights_dir=tmp_path / "weights",
         sglang_python=sys.executable,  # `import sglang` fails here: still a probe run
     )
 
@@ -224,3 +225,62 @@ async def test_a_discovery_probe_that_hangs_is_a_warning_then_arrives_by_the_nex
     # The heartbeat tells the control plane the warning is gone.
     beat = await node.heartbeat(1)
     assert beat.warnings is None  # already sent with the second hello
+
+
+class Recording(NullSession):
+    def __init__(self) -> None:
+        self.progress_seen: list[model.Progress] = []
+        self.arrived = trio.Event()
+
+    async def progress(self, progress: model.Progress) -> None:
+        self.progress_seen.append(progress)
+        self.arrived.set()
+
+
+class WithMirror:
+    def __init__(self) -> None:
+        self.session = Recording()
+
+    async def register(self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle):
+        settings = model.Settings(heartbeat_interval_s=60, epoch=1, mirror_port=8082)
+        return self.session, settings
+
+
+async def test_progress_is_pushed_by_source_while_connected_and_dropped_before(
+    tmp_path: Path,
+) -> None:
+    server_tls, client_tls = tls_pair(tmp_path, "n1")
+    cp = WithMirror()
+
+    async def inventory() -> model.Inventory:
+        return model.Inventory(host=model.Host("n1"))
+
+    async def heartbeat(seq: int) -> model.Heartbeat:
+        return model.Heartbeat(seq=seq)
+
+    async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+        port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, cp)
+        session = AgentSession(
+            node_id="n1",
+            addresses=[("127.0.0.1", port)],
+            tls=client_tls,
+            servant=object(),
+            hello_inventory=inventory,
+            heartbeat=heartbeat,
+        )
+        # Not connected: progress is not state, nothing keeps it for later.
+        session.notify_progress(model.Progress("mirror:/early/", 1, 10))
+        nursery.start_soon(session.run, bridge)
+        with trio.fail_after(20):
+            await session.connected.wait()
+        # Where it dialled and what it was told: `mirror:` sources resolve against it.
+        assert session.control_plane is not None
+        host, dialled, settings = session.control_plane
+        assert (host, dialled, settings.mirror_port) == ("127.0.0.1", port, 8082)
+        session.notify_progress(model.Progress("mirror:/tiny/", 5, None))
+        with trio.fail_after(20):
+            await cp.session.arrived.wait()
+            while session.progress_sent != 1:  # the call answered on the agent's side
+                await trio.sleep(0.01)
+        assert cp.session.progress_seen == [model.Progress("mirror:/tiny/", 5, None)]
+        nursery.cancel_scope.cancel()

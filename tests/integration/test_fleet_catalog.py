@@ -41,7 +41,7 @@ CATALOG = [
     {"name": "big", "source": "meta-llama/Llama-3.1-70B", "replicas": 1, "profiles": [vllm(4)]},
     {
         "name": "tiny-cpu",
-        "source": "/models/tiny.gguf",
+        "source": "llmgw-test/tiny",  # a hub id: the fake engine reads no weights
         "replicas": 1,
         "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}],
     },
@@ -239,7 +239,7 @@ def test_cordon_keeps_placement_off_a_node_across_restarts(
     cluster.ctl("cordon", "cpu-1", "--reason", "disk replacement")
     model = {
         "name": "tiny",
-        "source": "/models/tiny.gguf",
+        "source": "llmgw-test/tiny",  # a hub id: the fake engine reads no weights
         "replicas": 2,
         "profiles": [{"engine": "llama-server", "gpus_per_node": 0}],
     }

@@ -26,7 +26,7 @@ from llmgw.testing.cluster import LocalCluster, wait_for
 
 TINY = {
     "name": "tiny",
-    "source": "/models/tiny.gguf",
+    "source": "llmgw-test/tiny",  # a hub id: the fake engine reads no weights
     "replicas": 0,
     "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}],
 }

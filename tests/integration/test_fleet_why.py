@@ -18,7 +18,7 @@ TIMEOUT = 30
 
 TINY = {
     "name": "tiny",
-    "source": "/models/tiny.gguf",
+    "source": "llmgw-test/tiny",  # a hub id: the fake engine reads no weights
     "replicas": 1,
     "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}],
 }

@@ -13,6 +13,7 @@ placement needs it even when every other probe breaks.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -26,6 +27,7 @@ from typing import TypeVar
 import attrs
 import psutil
 
+from llmgw.core import MARKER, is_cache_name
 from llmgw.errors import ParseError
 from llmgw.model import (
     Engine,
@@ -483,7 +485,7 @@ def _is_partial(name: str) -> bool:
     return name.endswith(PARTIAL_SUFFIXES)
 
 
-def scan_weights(dirs: Iterable[str | Path]) -> Weights:
+def scan_weights(dirs: Iterable[str | Path], *, weights_dir: str | Path | None = None) -> Weights:
     """The model files under the configured directories, and a fingerprint of them.
 
     A file still being written (`*.partial`, `*.incomplete`, or anything under
@@ -493,31 +495,93 @@ def scan_weights(dirs: Iterable[str | Path]) -> Weights:
     followed, so a loop cannot trap the scan. The fingerprint is a hash of
     sorted (path, size) pairs: it changes when a model arrives or goes, and the
     agent sends the list only then.
+
+    `weights_dir` (the agent's, where fetched sources live) is scanned from its
+    real path: a top-level entry with a cache name counts only once its
+    completion marker is valid (see `complete_entry`), and then only the files
+    the marker names, never the marker, a partial or an ETag beside one; any
+    other entry (an operator's own) is scanned like a model directory.
+    `Weights.dir` is that real path.
     """
     files: dict[str, int] = {}
     for d in dirs:
-        top = str(d)
-        if not os.path.isdir(top):
-            continue
-        for dirpath, dirnames, filenames in os.walk(top, onerror=_walk_error):
-            dirnames[:] = [n for n in dirnames if not _is_partial(n)]
-            for name in filenames:
-                if _is_partial(name):
-                    continue
-                path = os.path.join(dirpath, name)
-                try:
-                    st = os.stat(path)  # follows a link: the target's size
-                except OSError:
-                    continue  # a dangling link, or removed while we looked
-                if os.path.isfile(path):
-                    files[path] = st.st_size
+        _walk_into(files, str(d))
+    real: str | None = None
+    if weights_dir is not None:
+        real = os.path.realpath(weights_dir)
+        _scan_weights_dir(files, real)
     digest = hashlib.sha256()
     for path, size in sorted(files.items()):
         digest.update(f"{path}\0{size}\n".encode(errors="surrogateescape"))
+    if real is not None:
+        digest.update(f"dir\0{real}\n".encode(errors="surrogateescape"))
     return Weights(
         fingerprint=digest.hexdigest(),
         files=tuple(WeightFile(p, s) for p, s in sorted(files.items())),
+        dir=real,
     )
+
+
+def _walk_into(files: dict[str, int], top: str) -> None:
+    if not os.path.isdir(top):
+        return
+    for dirpath, dirnames, filenames in os.walk(top, onerror=_walk_error):
+        dirnames[:] = [n for n in dirnames if not _is_partial(n)]
+        for name in filenames:
+            if not _is_partial(name):
+                _add_file(files, os.path.join(dirpath, name))
+
+
+def _add_file(files: dict[str, int], path: str) -> None:
+    try:
+        st = os.stat(path)  # follows a link: the target's size
+    except OSError:
+        return  # a dangling link, or removed while we looked
+    if os.path.isfile(path):
+        files[path] = st.st_size
+
+
+def _scan_weights_dir(files: dict[str, int], real: str) -> None:
+    try:
+        names = sorted(os.listdir(real))
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        _walk_error(e)
+        return
+    for name in names:
+        path = os.path.join(real, name)
+        if is_cache_name(name):
+            if os.path.islink(path):
+                continue  # a cache entry is a directory the fetcher made, never a link
+            for file_name, size in complete_entry(Path(path)) or ():
+                files[os.path.join(path, file_name)] = size
+        elif os.path.isdir(path):
+            if not _is_partial(name):
+                _walk_into(files, path)
+        elif not _is_partial(name):
+            _add_file(files, path)
+
+
+def complete_entry(directory: Path) -> list[tuple[str, int]] | None:
+    """The (name, size) of each file of a complete cache entry, in the marker's order:
+    its marker is there and every file it names is there at its size; else None."""
+    try:
+        doc = json.loads((directory / MARKER).read_bytes())
+        files = [(str(f["name"]), int(f["size"])) for f in doc["files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not files:
+        return None
+    for name, size in files:
+        if not name or "/" in name or name in (".", ".."):
+            return None  # the fetcher never writes such a name
+        try:
+            if (directory / name).stat().st_size != size:
+                return None
+        except OSError:
+            return None
+    return files
 
 
 def _walk_error(e: OSError) -> None:
@@ -722,7 +786,7 @@ def collect_inventory(
     root: Path = Path("/"),
     runner: Runner | None = None,
     model_dirs: Sequence[str | Path] = (),
-    fetch_dir: str | Path | None = None,
+    weights_dir: str | Path | None = None,
     fabrics: Mapping[str, Sequence[str]] | None = None,
     sglang_python: str | None = None,
     llmgw_pids: Collection[int] = (),
@@ -736,7 +800,8 @@ def collect_inventory(
     """Everything the control plane needs to know about this node.
 
     `root` is where /proc, /sys and /etc are read from (a fake tree in tests);
-    the configured directories are used as given. `nvml=None` reads GPUs with
+    the configured directories are used as given; `weights_dir` is scanned as
+    `scan_weights` says. `nvml=None` reads GPUs with
     nvidia-smi only. `search_path` is the PATH engines are looked up on
     (default: this process's). `storage_dirs` are reported by filesystem
     beside the model directories, but not scanned for weights.
@@ -746,7 +811,7 @@ def collect_inventory(
     run: Runner = runner if runner is not None else SubprocessRunner()
     warnings: list[str] = []
     mem = read_memory(root)  # first: see the module docstring
-    dirs = [*model_dirs, *([fetch_dir] if fetch_dir is not None else [])]
+    dirs = [*model_dirs, *([weights_dir] if weights_dir is not None else [])]
 
     no_host: tuple[Host, tuple[str, ...]] = (Host(hostname=hostname or socket.gethostname()), ())
     host, host_warnings = _guarded(
@@ -774,11 +839,21 @@ def collect_inventory(
     filesystems = _guarded(
         "storage",
         warnings,
-        lambda: probe_filesystems([*dirs, *storage_dirs], read_mounts(root)),
+        # Each directory once: weights_dir is both scanned and written to.
+        lambda: probe_filesystems(
+            list(dict.fromkeys(str(d) for d in [*dirs, *storage_dirs])), read_mounts(root)
+        ),
         no_filesystems,
     )
     weights = (
-        _guarded("weights", warnings, lambda: scan_weights(dirs), None) if with_weights else None
+        _guarded(
+            "weights",
+            warnings,
+            lambda: scan_weights(model_dirs, weights_dir=weights_dir),
+            None,
+        )
+        if with_weights
+        else None
     )
     engines = (
         _guarded(

@@ -461,7 +461,9 @@ def _nvidia_smi_says() -> tuple[str | None, int]:
         text=True,
         timeout=60,
     )
-    rows = [r.strip() for r in done.stdout.splitlines() if r.strip()] if done.returncode == 0 else []
+    rows = (
+        [r.strip() for r in done.stdout.splitlines() if r.strip()] if done.returncode == 0 else []
+    )
     return (rows[0] if rows else None), len(rows)
 
 
@@ -471,7 +473,7 @@ def test_collect_inventory_on_this_machine(tmp_path: Path) -> None:
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "m.gguf").write_bytes(b"g" * 64)
     inv = collect_inventory(
-        model_dirs=[tmp_path / "models"], fetch_dir=tmp_path / "fetch", nvml=None
+        model_dirs=[tmp_path / "models"], weights_dir=tmp_path / "weights", nvml=None
     )
     driver, gpus = _nvidia_smi_says()
     assert inv.gpus is not None and len(inv.gpus) == gpus
