@@ -17,8 +17,9 @@ Filters (a node must pass them all; `None` is unknown and never excludes):
 | 3     | GPU profile: known cards of the class | `GPUs unknown`, `has no h100-80g cards`  |
 | 4     | the engine (engines None: allowed)    | `engine vllm not installed`              |
 | 5     | min_memory_gb of memory (None: ok)    | `has 8 GB of memory, needs 24`           |
-| 6     | disk for the weights unless held      | `10 GB free for weights, needs 16`       |
-|       | (disk None: ok)                       |                                          |
+| 6     | disk for the weights unless held      | `has 10 GB free on /w, needs 16` (the    |
+|       | (disk None: ok)                       | weights dir; unknown: `10 GB free for    |
+|       |                                       | weights, needs 16`)                      |
 | 7     | GPU profile: enough free healthy      | `2 free healthy h100-80g cards, needs 4` |
 |       | cards of the class                    | `(6 in use, 1 unhealthy)`                |
 | 8     | group over nodes: an ACTIVE port on   | `no ACTIVE port on ib-b`,                |
@@ -110,17 +111,20 @@ class NodeFacts:
     nvlinks: tuple[tuple[int, int, int], ...] = ()  # (gpu a, gpu b, link count)
     nic_distance: tuple[tuple[int, str, str], ...] = ()  # (gpu, adapter, PIX..SYS)
     memory_total_bytes: int | None = None
-    disk_free_bytes: int | None = None
-    weights: frozenset[str] = frozenset()  # model sources whose weights it holds
+    disk_free_bytes: int | None = None  # free where the weights go
+    weights: frozenset[str] = frozenset()  # weights keys it holds (PlacementProfile.model)
     fabrics: tuple[tuple[str, tuple[str, ...], float | None], ...] = ()  # ACTIVE adapters
     state: str | None = None  # liveness state when not ready: "unreachable", "lost"
+    weights_dir: str | None = None  # where fetched weights go, for the refusal; None: unknown
 
 
 @attrs.frozen
 class PlacementProfile:
     """What one replica needs. `gpu_class=None` is a CPU replica (`gpus_per_node=0`)."""
 
-    model: str  # the weights source key, as in NodeFacts.weights
+    # The weights key, as in NodeFacts.weights: a fetched source's cache name
+    # (llmgw.core.cache_name), a local path, or a hub id.
+    model: str
     engine: str
     gpu_class: str | None
     gpus_per_node: int
@@ -128,7 +132,7 @@ class PlacementProfile:
     min_memory_gb: float | None = None
     node_selector: tuple[tuple[str, str], ...] = ()
     fabric: str | None = None  # the fabric a group must share; None: any one they share
-    weights_bytes: int | None = None
+    weights_bytes: int | None = None  # what a node that does not hold them fetches; None: unknown
 
     def __attrs_post_init__(self) -> None:
         if self.nodes < 1:
@@ -851,6 +855,8 @@ def _static_reason(node: _Node, p: PlacementProfile) -> _Group | None:
     ):
         has = math.floor(f.disk_free_bytes / GIB * 10) / 10
         needs = math.ceil(p.weights_bytes / GIB * 10) / 10
+        if f.weights_dir is not None:
+            return 6, f"has {_num(has)} GB free on {f.weights_dir}, needs {_num(needs)}"
         return 6, f"{_num(has)} GB free for weights, needs {_num(needs)}"
     return None
 

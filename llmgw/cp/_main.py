@@ -22,6 +22,7 @@ from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
 from llmgw.cp._mirror import serve_mirror
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._sizes import SourceSizes
 from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
 from llmgw.errors import ConfigError
 from llmgw.router import Router, RouterConfig, SqliteKeyStore, listener_limits, serve_http
@@ -92,12 +93,21 @@ async def serve(
         drain_timeout_s=cfg.drain_timeout_s,
         unhealthy_replace_s=cfg.unhealthy_replace_s,
     )
+    # Each fetched source's size, for placement's disk check: measured by a task of its
+    # own (llmgw/cp/_sizes.py), never inside a pass; a size that changes pokes the reconciler.
+    sizes = SourceSizes(
+        lambda: [m.source for m in catalog.catalog.models],
+        cfg.mirror.dir,
+        on_change=reconciler.poke,
+    )
+    reconciler.sizes = sizes
     endpoints = FleetEndpoints(registry, lambda: catalog.catalog, reconciler.retiring)
     reconciler.on_retiring = endpoints.refresh
     registry.listeners += [reconciler.poke, endpoints.refresh]
 
     def catalog_changed() -> None:
         reconciler.poke()
+        sizes.poke()
         endpoints.refresh()
 
     catalog.on_change = catalog_changed
@@ -155,6 +165,7 @@ async def serve(
             # Before the RPC listener: every registration's Settings name its port.
             registry.mirror_port = await _start_mirror(nursery, cfg, cfg.mirror.dir)
             registry.mirror_tls = cfg.mirror.tls
+        await nursery.start(sizes.run)
         rpc_bound = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, registry)
         await nursery.start(hypercorn.trio.serve, admin, hc)
         await nursery.start(router.run)

@@ -2,7 +2,9 @@
 
 Every `interval_s` (and on every change) it turns the registry's shard
 reports into observations, asks `core.reconcile` what to do, places each Start
-with `core.place`, and sends start/stop commands through the agents'
+with `core.place` (the weights keyed and sized as `weights_key` and `sizes` say:
+a fetched source's cache name, its size from llmgw/cp/_sizes.py), and sends
+start/stop commands through the agents'
 capabilities. Decide, then act: a pass plans synchronously, hands each start
 and stop to a task of its own in the reconciler's nursery, each bounded by a
 deadline, and returns; the next pass plans again from what is then observed.
@@ -41,7 +43,7 @@ from llmgw.core._reconcile import (
 from llmgw.cp._catalog import Catalog, CatalogModel, Profile, engine_profile, fingerprint
 from llmgw.cp._registry import NodeRecord, NodeRegistry
 from llmgw.cp._shards import PORTS, free_port, ports_taken, to_shard_spec
-from llmgw.errors import DeadlineExceeded, LlmgwError
+from llmgw.errors import ConfigError, DeadlineExceeded, LlmgwError
 
 log = logging.getLogger("llmgw.cp.reconciler")
 
@@ -77,9 +79,13 @@ class Reconciler:
         drain_timeout_s: float = 300.0,
         unhealthy_replace_s: float = 30.0,
         clock: Callable[[], float] = trio.current_time,
+        sizes: Callable[[str], int | None] | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
+        # A catalog source's size in bytes, None when unknown (llmgw/cp/_sizes.py);
+        # None here: nothing knows sizes, so placement never refuses for disk.
+        self.sizes = sizes
         self.interval_s = interval_s
         self.settle_s = settle_s
         self.stop_grace_s = stop_grace_s
@@ -193,9 +199,7 @@ class Reconciler:
         }
         seen = {s.replica_id for s in shards if s.replica_id}
         # Only replicas still reported or in flight: the map must not grow for ever.
-        self._first_seen = {
-            r: self._first_seen.get(r, now) for r in seen | self._pending.keys()
-        }
+        self._first_seen = {r: self._first_seen.get(r, now) for r in seen | self._pending.keys()}
         # A start in flight counts until its replica is reported, not twice after.
         pending: dict[str, int] = {}
         for replica_id, p in self._pending.items():
@@ -419,7 +423,7 @@ class Reconciler:
         placer = placer or self.placer()
         reasons: list[str] = []
         for i, profile in enumerate(m.profiles):
-            result = placer.place(placement_profile(m, profile))
+            result = placer.place(placement_profile(m, profile, self._weights_bytes(m.source)))
             if isinstance(result, placement.Placement):
                 return profile, result
             prefix = f"profile {i} ({profile.engine}, {profile.gpu_class or 'cpu'}): "
@@ -427,6 +431,9 @@ class Reconciler:
                 prefix = ""
             reasons += [prefix + r for r in result.reasons] or [prefix + "no node"]
         return Unplaced(m.name, tuple(reasons))
+
+    def _weights_bytes(self, source: str) -> int | None:
+        return self.sizes(source) if self.sizes is not None else None
 
     def _start_soon(self, m: CatalogModel, placer: placement.Placer) -> None:
         """Place one replica now (synchronously, so the pass's next placement sees its
@@ -566,9 +573,28 @@ class Reconciler:
         return list(self._unplaced.values())
 
 
-def placement_profile(m: CatalogModel, p: Profile) -> placement.PlacementProfile:
+def _fetched(source: str) -> bool:
+    try:
+        return core.classify_source(source).fetched
+    except ConfigError:
+        return False  # the catalog refuses it elsewhere; nothing is fetched for it
+
+
+def weights_key(source: str) -> str:
+    """What placement calls a source's weights (`PlacementProfile.model`, and what
+    `node_facts` says a node holds): a fetched source's cache name, else the source
+    as written (a local path, a hub id)."""
+    return core.cache_name(source) if _fetched(source) else source
+
+
+def placement_profile(
+    m: CatalogModel, p: Profile, weights_bytes: int | None = None
+) -> placement.PlacementProfile:
+    """`weights_bytes`: the source's size when it is fetched and known; None otherwise
+    (a local path or a hub id: nothing to fetch, nothing to refuse)."""
+    fetched = _fetched(m.source)
     return placement.PlacementProfile(
-        model=m.source,
+        model=weights_key(m.source),
         engine=p.engine,
         gpu_class=p.gpu_class,
         gpus_per_node=p.cards,
@@ -576,7 +602,7 @@ def placement_profile(m: CatalogModel, p: Profile) -> placement.PlacementProfile
         min_memory_gb=p.min_memory_gb,
         node_selector=tuple(sorted(p.node_selector.items())),
         fabric=p.fabric,
-        weights_bytes=None,
+        weights_bytes=weights_bytes if fetched else None,
     )
 
 
@@ -611,6 +637,12 @@ def node_facts(rec: NodeRecord) -> placement.NodeFacts:
             for g in inv.gpus
         )
     own = [f for f in inv.usage.filesystems if not f.shared and f.free_bytes is not None]
+    disk = max((f.free_bytes or 0 for f in own), default=None) if own else None
+    weights_dir = inv.weights.dir if inv.weights is not None else None
+    if weights_dir is not None:
+        fs = _filesystem_of(inv.usage.filesystems, weights_dir)
+        if fs is not None and fs.free_bytes is not None:
+            disk = fs.free_bytes  # shared or not: it is where the fetch writes
     topo = inv.topology
     return placement.NodeFacts(
         node_id=rec.node_id,
@@ -623,22 +655,46 @@ def node_facts(rec: NodeRecord) -> placement.NodeFacts:
         nvlinks=tuple((n.a, n.b, n.links) for n in topo.nvlinks) if topo else (),
         nic_distance=tuple((d.gpu, d.nic, d.distance) for d in topo.nic_distances) if topo else (),
         memory_total_bytes=inv.usage.memory_total_bytes,
-        disk_free_bytes=max((f.free_bytes or 0 for f in own), default=None) if own else None,
+        disk_free_bytes=disk,
         weights=_held(inv),
         fabrics=tuple((f.name, tuple(f.adapters), f.rate_gbps) for f in inv.fabrics),
+        weights_dir=weights_dir,
     )
+
+
+def _norm(path: str) -> str:
+    return path.rstrip("/") or "/"
+
+
+def _filesystem_of(
+    filesystems: Sequence[model.Filesystem], directory: str
+) -> model.Filesystem | None:
+    """The filesystem the agent says holds `directory` (one of its `paths`)."""
+    want = _norm(directory)
+    return next((f for f in filesystems if want in {_norm(p) for p in f.paths}), None)
 
 
 def _held(inv: model.Inventory) -> frozenset[str]:
-    """Sources whose files the node holds: a local path is held when listed under it."""
+    """The weights keys the node holds (see `weights_key`): a local path when a file is
+    listed at or under it, and the cache name of each entry of its weights directory
+    (the agent lists only complete entries: files under `<dir>/<cache name>/`)."""
     if inv.weights is None:
         return frozenset()
-    return frozenset(f.path for f in inv.weights.files) | frozenset(
-        str(p) for f in inv.weights.files for p in _parents(f.path)
+    files = inv.weights.files
+    held = frozenset(f.path for f in files) | frozenset(
+        str(p) for f in files for p in _parents(f.path)
     )
+    if inv.weights.dir is None:
+        return held
+    prefix = _norm(inv.weights.dir).rstrip("/") + "/"
+    names = {
+        rest.split("/", 1)[0]
+        for f in files
+        if f.path.startswith(prefix) and "/" in (rest := f.path[len(prefix) :])
+    }
+    return held | frozenset(n for n in names if core.is_cache_name(n))
 
 
 def _parents(path: str) -> Sequence[str]:
     parts = path.rstrip("/").split("/")
     return ["/".join(parts[:i]) for i in range(2, len(parts))]
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from llmgw.core._placement import (
@@ -273,6 +274,23 @@ def test_memory_and_disk_are_never_shown_as_enough_when_short() -> None:
     node = gpu_node("node01", disk_free_bytes=int(15.95 * GIB))
     assert str(place([node], profile(1, weights_bytes=int(15.96 * GIB)))) == (
         "node01: 15.9 GB free for weights, needs 16"
+    )
+
+
+def test_a_disk_refusal_names_the_weights_dir_when_the_node_said_it() -> None:
+    short = gpu_node("node01", disk_free_bytes=12 * GIB, weights_dir="/var/lib/llmgw-weights")
+    unsaid = gpu_node("node02", disk_free_bytes=12 * GIB)
+    refused = place([short, unsaid], profile(1, weights_bytes=15 * GIB))
+    assert isinstance(refused, Refusal)
+    assert refused.reasons == (
+        "node01: has 12 GB free on /var/lib/llmgw-weights, needs 15",
+        "node02: 12 GB free for weights, needs 15",
+    )
+    # The holder is not refused, whatever its disk; and it is preferred to one with room.
+    holder = attrs.evolve(short, weights=frozenset({"llama-70b"}))
+    roomy = gpu_node("node00", disk_free_bytes=100 * GIB, weights_dir="/w")
+    assert only_placement(place([roomy, holder], profile(1, weights_bytes=15 * GIB))).node_ids == (
+        "node01",
     )
 
 
