@@ -22,13 +22,14 @@ from urllib.parse import parse_qsl
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from llmgw import config, engines
+from llmgw import config, engines, model
+from llmgw.cp import _holdings
 from llmgw.cp._catalog_file import CatalogFile
 from llmgw.cp._events import Event, Failure
 from llmgw.cp._reconciler import Reconciler, Unplaced
-from llmgw.cp._registry import NodeRecord, NodeRegistry
+from llmgw.cp._registry import FetchProgress, NodeRecord, NodeRegistry
 from llmgw.cp._shards import manual_shard, ports_taken
-from llmgw.errors import ConfigError, NotFound, PeerError, UsageError
+from llmgw.errors import ConfigError, LlmgwError, NotFound, PeerError, UsageError
 from llmgw.router import HttpError as RouterHttpError
 from llmgw.router._keys import ApiKey, KeyStore
 from llmgw.rpc import AgentHandle
@@ -119,6 +120,8 @@ class AdminApp:
             ("GET", re.compile(r"^/api/v1/replicas$"), self._replicas),
             ("GET", re.compile(r"^/api/v1/status$"), self._status),
             ("GET", re.compile(r"^/api/v1/events$"), self._events),
+            ("GET", re.compile(r"^/api/v1/weights$"), self._weights),
+            ("POST", re.compile(r"^/api/v1/weights/collect$"), self._weights_collect),
             ("POST", re.compile(r"^/api/v1/place$"), self._place),
             ("POST", re.compile(r"^/api/v1/route$"), self._route),
             ("POST", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/cordon$"), self._cordon),
@@ -311,6 +314,7 @@ class AdminApp:
         events = self._registry.events
         views = reconciler.replicas()
         present = [v.replica_id for v in views]
+        sources: dict[str, str] | None = None
         for v in views:
             since = wall - (now - v.first_seen)
             # Its own last failure, else why its predecessor went: the reason
@@ -330,6 +334,10 @@ class AdminApp:
                     "last_failure": _failure_json(failure),
                 }
             )
+            if v.state == "starting":
+                if sources is None:
+                    sources = {m.name: m.source for m in _cat.catalog.models}
+                rows[-1]["progress"] = self._fetching(v.nodes, sources.get(v.model_name))
         for u in reconciler.unplaced():
             failure = events.predecessor_failure(u.model_name, started=None, present=present)
             rows.append(
@@ -345,6 +353,16 @@ class AdminApp:
                 }
             )
         return rows
+
+    def _fetching(self, nodes: tuple[str, ...], source: str | None) -> dict[str, Any] | None:
+        """The download a starting replica waits on: its first node's that has one."""
+        if source is None:
+            return None
+        for node in nodes:
+            found = self._registry.progress(node).get(source)
+            if found is not None:
+                return {"node": node, **progress_json(found)}
+        return None
 
     async def _replicas(self, **_: Any) -> tuple[int, Any]:
         return 200, {"replicas": self._replica_rows()}
@@ -366,8 +384,148 @@ class AdminApp:
                     "last_failure": _failure_json(failure),
                 }
             )
+        inventories = {r.node_id: r.inventory for r in self._registry.records()}
+        pairs = [(m.name, m.source) for m in catalog.catalog.models]
+        holds = {}
+        for i, (node_id, inv) in enumerate(inventories.items()):
+            holds[node_id] = _holdings.node_holds(node_id, inv, pairs)
+            if i % _NODES_PER_SLICE == _NODES_PER_SLICE - 1:
+                await trio.lowlevel.checkpoint()  # a large fleet: let the heartbeats in
+        fabrics = [
+            {
+                "fabric": f.fabric,
+                "nodes": list(f.nodes),
+                "models": [
+                    {"model": h.model, "bytes": h.size_bytes, "nodes": list(h.nodes)}
+                    for h in f.models
+                ],
+            }
+            for f in _holdings.fabric_holdings(inventories, pairs, holds)
+        ]
         # passes, settling, holding...: a test waits for a pass instead of sleeping.
-        return 200, {"models": out, "reconciler": reconciler.statistics()}
+        return 200, {"models": out, "fabrics": fabrics, "reconciler": reconciler.statistics()}
+
+    # weights ----------------------------------------------------------------------------
+
+    def _catalog_sources(self) -> list[tuple[str, str]]:
+        """(model, source) for every catalog model; none when this control plane runs no
+        catalog (then every cache entry is unwanted, and the agents still keep what their
+        shards use)."""
+        if self._catalog is None:
+            return []
+        return [(m.name, m.source) for m in self._catalog.catalog.models]
+
+    def _node_weights(
+        self, only: str | None = None
+    ) -> list[tuple[NodeRecord, _holdings.NodeWeights]]:
+        pairs = self._catalog_sources()
+        return [
+            (rec, _holdings.node_weights(rec.node_id, rec.inventory.weights, pairs))
+            for rec in self._registry.records()
+            if only is None or rec.node_id == only
+        ]
+
+    async def _weights(self, **_: Any) -> tuple[int, Any]:
+        nodes = []
+        pairs = self._catalog_sources()
+        for rec in self._registry.records():
+            w = _holdings.node_weights(rec.node_id, rec.inventory.weights, pairs)
+            nodes.append(
+                {
+                    "node": rec.node_id,
+                    "state": rec.liveness.state.value,
+                    "connected": rec.agent is not None,
+                    "reported": w.reported,
+                    "weights_dir": w.weights_dir,
+                    "held": [_held_json(h) for h in w.held],
+                    "reclaimable": [
+                        {"path": r.path, "size_bytes": r.size_bytes} for r in w.reclaimable
+                    ],
+                    "reclaimable_bytes": sum(r.size_bytes for r in w.reclaimable),
+                }
+            )
+            await trio.lowlevel.checkpoint()  # a large fleet: let the heartbeats in
+        return 200, {"nodes": nodes}
+
+    async def _weights_collect(self, body: Any, **_: Any) -> tuple[int, Any]:
+        request = _expect(
+            {} if body is None else body, {}, {"dry_run": bool, "node": str, "paths": list}
+        )
+        dry_run = bool(request.get("dry_run", False))
+        node = request.get("node")
+        paths = request.get("paths")
+        if paths is not None:
+            if node is None:
+                raise HttpError(400, "paths: only with node (each node's paths are its own); "
+                                     "add \"node\": \"<node id>\"")  # fmt: skip
+            bad = [p for p in paths if not isinstance(p, str) or not p or len(p) > 4096]
+            if bad or len(paths) > COLLECT_MAX_PATHS:
+                shown = f"{str(bad[0])[:80]!r}" if bad else f"{len(paths)} paths"
+                raise HttpError(400, f"paths: expected at most {COLLECT_MAX_PATHS} non-empty "
+                                     f"strings of at most 4096 characters, "
+                                     f"got {shown}")  # fmt: skip
+        known = self._node_weights(node)
+        if node is not None and not known:
+            raise HttpError(404, f"no node {node!r} has registered")
+        pairs = self._catalog_sources()
+        asks: list[tuple[NodeRecord, tuple[str, ...], int | None, list[dict[str, str]]]] = []
+        for rec, w in known:
+            if paths is None:
+                asks.append((rec, tuple(r.path for r in w.reclaimable),
+                             sum(r.size_bytes for r in w.reclaimable), []))  # fmt: skip
+                continue
+            sizes = {h.path: h.size_bytes for h in w.held}
+            got = [sizes.get(p) for p in paths]
+            total = None if None in got else sum(s or 0 for s in got)
+            # What the catalog wants is refused here: the agent knows only its own shards.
+            ours = []
+            for p in paths:
+                wants = _holdings.catalog_wants(p, w.weights_dir, pairs)
+                if wants:
+                    detail = (f"{p}: {_holdings.WANTED} ({', '.join(wants)}); remove the "
+                              "model from the catalog first")  # fmt: skip
+                    ours.append({"path": p, "reason": _holdings.WANTED, "detail": detail})
+            asks.append((rec, tuple(paths), total, ours))
+        results: dict[str, dict[str, Any]] = {}
+
+        async def ask(
+            rec: NodeRecord,
+            asked: tuple[str, ...],
+            asked_bytes: int | None,
+            ours: list[dict[str, str]],
+        ) -> None:
+            row: dict[str, Any] = {
+                "node": rec.node_id, "asked": list(asked), "asked_bytes": asked_bytes,
+                "removed": [], "freed_bytes": 0, "refused": ours, "error": None,
+            }  # fmt: skip
+            results[rec.node_id] = row
+            refused_here = {r["path"] for r in ours}
+            asked = tuple(p for p in asked if p not in refused_here)
+            if not asked:
+                return
+            agent = rec.agent
+            if agent is None:
+                row["error"] = f"node {rec.node_id} is {rec.liveness.state.value}: not connected"
+                return
+            try:
+                # The bridge bounds the call with its per-call deadline.
+                done: model.Reclaimed = await agent.reclaim(self._registry.epoch, asked, dry_run)
+            except LlmgwError as exc:
+                row["error"] = str(exc)
+                return
+            row["removed"] = list(done.removed)
+            row["freed_bytes"] = done.freed_bytes
+            row["refused"] = ours + [
+                {"path": r.path, "reason": r.reason, "detail": r.detail} for r in done.refused
+            ]
+            log.info("reclaim on %s%s: asked %d, removed %d (%d bytes), refused %d",
+                     rec.node_id, " (dry run)" if dry_run else "", len(asked),
+                     len(done.removed), done.freed_bytes, len(done.refused))  # fmt: skip
+
+        async with trio.open_nursery() as nursery:
+            for rec, asked, asked_bytes, ours in asks:
+                nursery.start_soon(ask, rec, asked, asked_bytes, ours)
+        return 200, {"dry_run": dry_run, "nodes": [results[a[0].node_id] for a in asks]}
 
     async def _events(self, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         raw = query.get("limit", "50")
@@ -478,6 +636,25 @@ class AdminApp:
 
 
 EVENTS_LIMIT = 1000
+COLLECT_MAX_PATHS = 10_000
+
+
+def _held_json(h: _holdings.Held) -> dict[str, Any]:
+    return {"path": h.path, "kind": h.kind, "size_bytes": h.size_bytes, "files": h.files,
+            "wanted_by": list(h.wanted_by)}  # fmt: skip
+
+
+def progress_json(p: FetchProgress) -> dict[str, Any]:
+    """A fetch's progress for the API: unknown stays null, an eta only with a length and
+    a rate."""
+    return {
+        "source": p.source,
+        "done_bytes": p.done_bytes,
+        "total_bytes": p.total_bytes,
+        "rate_bytes_per_s": p.rate_bytes_per_s,
+        "eta_s": p.eta_s,
+        "at": p.at_wall,
+    }
 
 
 def _event_json(event: Event) -> dict[str, Any]:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import attrs
@@ -60,7 +62,55 @@ class _Session:
         self._registry.on_shard_status(self._node_id, self._generation, shard)
 
     async def progress(self, progress: model.Progress) -> None:
-        log.debug("%s: progress %s", self._node_id, progress)
+        self._registry.on_progress(self._node_id, self._generation, progress)
+
+
+# A fetch's progress (issue 12). Not a state transition: it is kept beside the node's
+# record, never in it, and changes nothing anyone plans from.
+PROGRESS_SILENCE_S = 30.0  # no message for this long: the fetch is no longer news
+PROGRESS_PER_NODE = 64  # a node may report this many sources at once; the oldest go first
+PROGRESS_SOURCE_MAX = 4096  # characters; a longer source text is no catalog's
+PROGRESS_RATE_TAU_S = 5.0  # the rate's smoothing: about the last five seconds count
+
+
+@attrs.frozen
+class FetchProgress:
+    """What the registry knows of one fetch on one node."""
+
+    source: str
+    done_bytes: int
+    total_bytes: int | None  # None: nobody said the length
+    rate_bytes_per_s: float | None  # smoothed; None until two messages
+    at: float  # clock value of the last message
+    at_wall: float  # unix time of the last message
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the current rate; None without a length or a rate."""
+        if self.total_bytes is None or not self.rate_bytes_per_s:
+            return None
+        return max(0.0, self.total_bytes - self.done_bytes) / self.rate_bytes_per_s
+
+
+def next_progress(
+    last: FetchProgress | None, msg: model.Progress, *, now: float, wall: float
+) -> FetchProgress:
+    """The fetch's view after one more message (pure). The rate is an exponentially
+    weighted mean of the rates between messages, weighted by the time between them, so
+    irregular messages count for the time they cover; a count that went back (a
+    download restarted from 0) starts the rate again."""
+    rate: float | None = None
+    if last is not None and msg.done_bytes >= last.done_bytes and now > last.at:
+        dt = now - last.at
+        seen = (msg.done_bytes - last.done_bytes) / dt
+        if last.rate_bytes_per_s is None:
+            rate = seen
+        else:
+            keep = math.exp(-dt / PROGRESS_RATE_TAU_S)
+            rate = keep * last.rate_bytes_per_s + (1 - keep) * seen
+    elif last is not None and msg.done_bytes >= last.done_bytes:
+        rate = last.rate_bytes_per_s  # two messages in one instant: nothing new to learn
+    return FetchProgress(msg.source, msg.done_bytes, msg.total_bytes, rate, now, wall)
 
 
 class NodeRegistry:
@@ -99,6 +149,8 @@ class NodeRegistry:
         self.listeners: list[Callable[[], None]] = []
         # Why things happened (failed shards, state changes), for the admin API.
         self.events = EventLog(clock=clock, wall=wall)
+        # node -> source -> its fetch's progress, least recently updated first.
+        self._progress: dict[str, OrderedDict[str, FetchProgress]] = {}
 
     def __repr__(self) -> str:
         return f"<NodeRegistry {self.statistics()}>"
@@ -164,6 +216,7 @@ class NodeRegistry:
             )
         was = "not registered since this start" if rec is None else rec.liveness.state.value
         self._nodes.pop(node_id, None)
+        self._progress.pop(node_id, None)
         if node_id in self.known:
             self.known.discard(node_id)
             self._save_known()  # now, not on the next tick: a restart must not wait for it
@@ -192,7 +245,7 @@ class NodeRegistry:
         nodes = data.get("nodes") if isinstance(data, dict) else None
         if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
             raise ConfigError(
-                f"{path}: expected {{\"nodes\": [node ids]}}, got {str(data)[:80]!r}; fix or "
+                f'{path}: expected {{"nodes": [node ids]}}, got {str(data)[:80]!r}; fix or '
                 "delete it (the control plane then waits reconcile_settle_s after its start)"
             )
         self.known = set(nodes)
@@ -251,6 +304,7 @@ class NodeRegistry:
         old = self._nodes.get(hello.node_id)
         if old is not None and old.agent is not None:
             old.agent.release()
+        self._progress.pop(hello.node_id, None)  # a new session reports its fetches anew
         rec = NodeRecord(
             node_id=hello.node_id,
             liveness=core.registered(now),
@@ -295,6 +349,7 @@ class NodeRegistry:
             if rec.agent is not None:
                 rec.agent.release()
                 rec.agent = None
+            self._progress.pop(node_id, None)  # no session, no news of its fetches
             self._apply(rec, core.ConnectionLost(self._clock()))
 
     # events -------------------------------------------------------------------
@@ -307,6 +362,8 @@ class NodeRegistry:
         before = rec.liveness
         rec.liveness = core.step(before, event, self.policy)
         if rec.liveness.state is not before.state:
+            if rec.liveness.state is core.NodeState.LOST:
+                self._progress.pop(rec.node_id, None)
             self.events.node_state(
                 rec.node_id,
                 before.state.value,
@@ -345,14 +402,60 @@ class NodeRegistry:
         if rec is None:
             return
         self.events.shard_report(node_id, shard)
+        if shard.source is not None and shard.state != model.ShardState.STARTING:
+            self._clear_progress(node_id, shard.source)  # the fetch's news ends with it
         others = tuple(s for s in rec.shards if s.shard_id != shard.shard_id)
         rec.shards = others if shard.state == "stopped" else (*others, shard)
         self._changed()
+
+    def on_progress(self, node_id: str, generation: int, msg: model.Progress) -> None:
+        """A fetch's progress. Not a state transition: no listener hears of it, and it
+        touches neither liveness nor the node's record (so it cannot reset a timer)."""
+        rec = self._current(node_id, generation)
+        if rec is None or rec.agent is None:
+            return
+        if (
+            not isinstance(msg.source, str)
+            or not msg.source
+            or len(msg.source) > PROGRESS_SOURCE_MAX
+            or msg.done_bytes < 0
+            or (msg.total_bytes is not None and msg.total_bytes < 0)
+        ):
+            log.debug("%s: progress ignored (a source of %d characters, done %s, total %s)",
+                      node_id, len(msg.source or ""), msg.done_bytes, msg.total_bytes)  # fmt: skip
+            return
+        table = self._progress.setdefault(node_id, OrderedDict())
+        last = table.pop(msg.source, None)
+        table[msg.source] = next_progress(last, msg, now=self._clock(), wall=self._wall())
+        while len(table) > PROGRESS_PER_NODE:
+            table.popitem(last=False)
+
+    def _clear_progress(self, node_id: str, source: str) -> None:
+        table = self._progress.get(node_id)
+        if table is not None:
+            table.pop(source, None)
+            if not table:
+                del self._progress[node_id]
+
+    def progress(self, node_id: str) -> dict[str, FetchProgress]:
+        """The node's fetches heard from in the last PROGRESS_SILENCE_S, by source."""
+        now = self._clock()
+        table: Mapping[str, FetchProgress] = self._progress.get(node_id) or {}
+        return {s: p for s, p in table.items() if now - p.at < PROGRESS_SILENCE_S}
+
+    def _expire_progress(self, now: float) -> None:
+        for node_id in list(self._progress):
+            table = self._progress[node_id]
+            for source in [s for s, p in table.items() if now - p.at >= PROGRESS_SILENCE_S]:
+                del table[source]
+            if not table:
+                del self._progress[node_id]
 
     def tick(self) -> None:
         now = self._clock()
         if self._known_dirty:
             self._save_known()
+        self._expire_progress(now)
         event = core.Tick(now)
         for rec in list(self._nodes.values()):
             self._apply(rec, event)

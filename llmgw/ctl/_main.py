@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 import httpx
 
 from llmgw import config
-from llmgw.ctl import _cert
+from llmgw.ctl import _cert, _weights
 from llmgw.errors import ConfigError, LlmgwError
 
 DEFAULT_CTL_CONFIG = Path("~/.config/llmgw/ctl.yaml")
@@ -117,7 +117,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     events.add_argument("--limit", type=int, default=50, help="newest N (at most 1000)")
     events.add_argument("--json", action="store_true")
     events.set_defaults(func=_events)
-    status = sub.add_parser("status", help="desired and ready replicas per model")
+    weights = sub.add_parser(
+        "weights",
+        help="what each node holds of the weights, who wants it, and what would be reclaimed",
+        description="List, per node, what its weights directory holds (fetched cache entries "
+        "and an operator's files, with their size and the catalog models that want them) and "
+        "the cache entries no model wants. --collect asks the nodes to delete those; each "
+        "agent checks every path again and refuses what is not a cache entry it may delete "
+        "(an operator's file, a symlink, anything outside its weights directory).",
+    )
+    weights.add_argument("--json", action="store_true", help="the API's JSON, as is")
+    weights.add_argument("--collect", action="store_true", help="delete what would be reclaimed")
+    weights.add_argument(
+        "--dry-run", action="store_true", help="with --collect: ask, and delete nothing"
+    )
+    weights.add_argument("--node", default=None, help="with --collect: only this node")
+    weights.add_argument(
+        "--path",
+        action="append",
+        default=None,
+        metavar="P",
+        help="with --collect and --node: ask for exactly these paths (repeatable)",
+    )
+    weights.set_defaults(func=_weights_cmd)
+    status = sub.add_parser(
+        "status", help="desired and ready replicas per model, and what each fabric holds"
+    )
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_status)
     place = sub.add_parser("place", help="where a replica of MODEL would go, or why it cannot")
@@ -349,10 +374,13 @@ def _replicas(args: argparse.Namespace) -> int:
             )
         )
         rows += [("", "", "", "", "", "", line) for line in reason[1:]]
+        below = []
+        if r.get("progress"):
+            below.append("  " + _weights.format_progress(r["progress"]))
         if r.get("last_failure"):
-            notes[len(rows) - 1] = format_failure(
-                r["last_failure"], r["replica"], now=now, lines=args.lines
-            )
+            below += format_failure(r["last_failure"], r["replica"], now=now, lines=args.lines)
+        if below:
+            notes[len(rows) - 1] = below
     header = ("MODEL", "REPLICA", "STATE", "NODES", "AGE", "STALE", "REASON")
     print(_with_notes(_table(header, rows), notes))
     return 0
@@ -424,7 +452,34 @@ def _status(args: argparse.Namespace) -> int:
                         f"{failure['reason']}")  # fmt: skip
         rows.append((m["model"], str(m["desired"]), str(m["ready"]), "; ".join(note) or "-"))
     print(_table(("MODEL", "DESIRED", "READY", "NOTE"), rows))
+    fabrics = _weights.format_fabrics(data.get("fabrics") or [])
+    if fabrics:
+        print()
+        print("\n".join(fabrics))
     return 0
+
+
+def _weights_cmd(args: argparse.Namespace) -> int:
+    if not args.collect:
+        if args.dry_run or args.node or args.path:
+            raise CtlError("--dry-run, --node and --path go with --collect")
+        data = api_get(args, "/api/v1/weights")
+        print(json.dumps(data, indent=2) if args.json else _weights.format_weights(data["nodes"]))
+        return 0
+    if args.path and not args.node:
+        raise CtlError("--path needs --node: each node's paths are its own")
+    body: dict[str, Any] = {"dry_run": bool(args.dry_run)}
+    if args.node:
+        body["node"] = args.node
+    if args.path:
+        body["paths"] = list(args.path)
+    data = api(args, "POST", "/api/v1/weights/collect", body)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print("\n".join(_weights.format_collect(data)))
+    failed = any(n["refused"] or n["error"] for n in data["nodes"])
+    return 1 if failed else 0
 
 
 def _place(args: argparse.Namespace) -> int:

@@ -69,6 +69,8 @@ _DEFAULT_PER_CALL: Mapping[str, float] = {
     "inventory": 30.0,
     # Runs the engine's --help, which the agent bounds at 60 s (SGLang imports torch).
     "engineCheck": 90.0,
+    # Describes the weights directory (up to 200,000 entries) and deletes whole entries.
+    "reclaim": 120.0,
 }
 
 
