@@ -1,6 +1,12 @@
 """`make demo`: a control plane and two agents on this machine, with their own PKI,
 and a real llama-server started through the agent on a tiny generated model.
 
+The model is served the way a fleet's weights are: the control plane's mirror
+serves `<demo dir>/mirror/`, the catalog's source is `mirror:/tiny/` (the
+model split in two parts, as llama.cpp's gguf-split writes it), and the agent
+that gets the replica fetches it into its weights directory before it starts
+llama-server on the first part.
+
 Everything lives in ./demo-state (certificates, configs, state, logs). Ctrl-C
 stops every process cleanly. `--check` starts, shows the nodes and stops: the
 test suite runs it so the demo stays true.
@@ -70,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             setattr(cluster, attr, port)
     print(f"llmgw demo: certificates, configs and logs in {cluster.root}")
     llama_server = _llama_server()
-    model_path = tiny_gguf.write(cluster.root / "models" / "tiny.gguf")
+    cluster.mirror_dir = cluster.root / "mirror"
+    tiny_gguf.write(cluster.mirror_dir / "tiny" / "tiny.gguf", parts=2)
     cluster.models = [
         {
             "name": "tiny",
-            "source": str(model_path),
+            "source": "mirror:/tiny/",
             "replicas": 1,
             "profiles": [
                 {
@@ -87,10 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         }
     ]
     cluster.setup(NODES)
-    # Only demo-a has llama-server: the catalog's replica is placed there.
-    cluster.write_agent_config(
-        NODES[0], engine_paths={"llama-server": llama_server}, model_dirs=[str(model_path.parent)]
-    )
+    # Only demo-a has llama-server: the catalog's replica is placed there, and demo-a
+    # fetches the model from the mirror into demo-a-weights/.
+    cluster.write_agent_config(NODES[0], engine_paths={"llama-server": llama_server})
     try:
         cluster.start_cp()
         for node in NODES:
@@ -113,10 +119,17 @@ def main(argv: list[str] | None = None) -> int:
         print("A control plane and two agents are running. Look at them with:\n")
         print(f"  export LLMGW_ADMIN_URL={cluster.admin_url}")
         print(f"  export LLMGW_ADMIN_KEY=$(cat {shlex.quote(str(key_file))})")
-        print(f"  {venv_bin / 'llmgw'} ctl nodes    # or replicas, status, models, keys list\n")
+        # `ctl weights` (what each node holds, what could be reclaimed), where this ctl has it.
+        more = "replicas, status, models, weights, keys list"
+        if cluster.ctl("weights", "--help", check=False).returncode != 0:
+            more = more.replace(" weights,", "")
+        print(f"  {venv_bin / 'llmgw'} ctl nodes    # or {more}\n")
         print(f"Logs: {cluster.root}/*.log\n")
-        print("The router placed the catalog's model on a real llama-server (random weights:")
-        print("gibberish is expected). Ask it yourself:\n")
+        print(f"The model's two parts are in {cluster.mirror_dir / 'tiny'}, served by the")
+        print("control plane's weights mirror; demo-a fetched them into")
+        print(f"{cluster.root / (NODES[0] + '-weights')} before it started a real llama-server on")
+        print("them. The router sends requests there (random weights: gibberish is expected).")
+        print("Ask it yourself:\n")
         print(f"  {curl}\n")
         print(f"  -> {reply!r}\n")
         if args.check:

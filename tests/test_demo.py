@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import llama_server_binary
+
+from llmgw.core import MARKER, cache_name
 
 
 @pytest.mark.slow
@@ -33,6 +36,20 @@ def test_demo_shows_two_ready_nodes_and_stops(tmp_path: Path) -> None:
     assert len(replies) == 1, done.stdout
     assert isinstance(replies[0], str) and replies[0].strip(), replies
     assert [row[8] for row in table] == ["1/1", "-"]  # SHARDS: ready/total
+    # The model came from the control plane's mirror (`mirror:/tiny/`, a split GGUF):
+    # each part downloaded once, by demo-a, into one cache entry of its weights directory.
+    demo = tmp_path / "demo"
+    parts = ["tiny-00001-of-00002.gguf", "tiny-00002-of-00002.gguf"]
+    assert sorted(p.name for p in (demo / "mirror" / "tiny").iterdir()) == parts
+    assert json.loads((demo / "server.yaml").read_text())["models"][0]["source"] == "mirror:/tiny/"
+    entries = list((demo / "demo-a-weights").iterdir())
+    assert [e.name for e in entries] == [cache_name("mirror:/tiny/")]
+    assert sorted(p.name for p in entries[0].iterdir()) == sorted([*parts, MARKER])
+    assert not any((demo / "demo-b-weights").iterdir())
+    log = (demo / "cp.log").read_text()
+    for part in parts:
+        assert log.count(f"llmgw.cp.mirror: GET '/tiny/{part}' 200 ") == 1, log
+    assert f"{demo.resolve() / 'mirror' / 'tiny'}, served by the" in done.stdout
     # Nothing left running.
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "demo")], capture_output=True)
     assert left.stdout == b""

@@ -1,8 +1,8 @@
 """The weights mirror: the bytes under one directory, and nothing else, over HTTP/1.1.
 
-Not yet started by llmgw-cp (issue 12 wires it to `mirror.dir` and its own
-listener). An operator copies weights in by hand; the mirror keeps no record
-of them beyond an in-memory cache of hashes.
+llmgw-cp serves `mirror.dir` (server.yaml) with it on its own listener
+(llmgw/cp/_main.py). An operator copies weights in by hand; the mirror keeps
+no record of them beyond an in-memory cache of hashes.
 
 - `GET`/`HEAD /a/b.gguf`: the file, with `Content-Length`, a strong `ETag`
   (`"<size>-<mtime_ns>"`), `Last-Modified` and `Accept-Ranges: bytes`. One
@@ -32,6 +32,13 @@ HEAD (405 with `Allow`); a request with a body is a 400. The head must fit in
 (408); an idle connection is closed after `keepalive_s`; every write must
 complete within `send_timeout_s`; beyond `max_connections` a new connection is closed at
 once. A refusal says `connection: close`.
+
+Every answered request is one INFO line on the logger "llmgw.cp.mirror" (the
+access log): `GET '/tiny/a.gguf' 206 1048576 bytes to 10.0.0.5:41234`: the
+method, the target as the client sent it (quoted and escaped, so a hostile
+target cannot forge a line), the status, the body bytes sent and the peer;
+` (cut)` ends the line of an answer that did not complete. A head that cannot
+be read as a request logs `- '-'` for its method and target.
 """
 
 from __future__ import annotations
@@ -313,13 +320,50 @@ class _Cut(Exception):
     """The connection cannot go on (a write too slow, a file that shrank): close it."""
 
 
+@attrs.define
+class _Tally:
+    """What one connection's current answer has sent: for the access log."""
+
+    status: int = 0
+    sent: int = 0
+
+
+def _peer_of(stream: trio.abc.Stream) -> str:
+    sock_stream = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    if not isinstance(sock_stream, trio.SocketStream):
+        return "-"
+    try:
+        peer = sock_stream.socket.getpeername()
+    except OSError:
+        return "-"
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = f"[{peer[0]}]" if ":" in str(peer[0]) else str(peer[0])
+        return f"{host}:{peer[1]}"
+    return str(peer) or "-"
+
+
+def _access(method: bytes, target: bytes, status: int, sent: int, peer: str, done: bool) -> None:
+    # h11 admits only a token as a method: never a space or a line break.
+    log.info(
+        "%s %s %d %d bytes to %s%s",
+        method.decode("ascii", "replace")[:16],
+        _show(target, 200),
+        status,
+        sent,
+        peer,
+        "" if done else " (cut)",
+    )
+
+
 class _Mirror:
     def __init__(self, root: str, limits: MirrorLimits, cache: ManifestCache) -> None:
         self.root = root
         self.limits = limits
         self.cache = cache
+        # Each open connection's current answer, by its h11 state machine.
+        self._tallies: dict[h11.Connection, _Tally] = {}
 
-    async def connection(self, stream: trio.abc.Stream) -> None:
+    async def connection(self, stream: trio.abc.Stream, peer: str = "-") -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head_bytes)
         try:
             while True:
@@ -327,9 +371,16 @@ class _Mirror:
                 if got is None:
                     return
                 if isinstance(got, Refusal):
-                    await self._refuse(stream, got)
+                    await self._refuse(stream, got, peer)
                     return
-                await self._answer(stream, conn, got)
+                tally = self._tallies[conn] = _Tally()
+                try:
+                    await self._answer(stream, conn, got)
+                finally:
+                    del self._tallies[conn]
+                    if tally.status:
+                        done = conn.our_state in (h11.DONE, h11.MUST_CLOSE)
+                        _access(got.method, got.target, tally.status, tally.sent, peer, done)
                 if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                     return
                 conn.start_next_cycle()
@@ -404,7 +455,7 @@ class _Mirror:
             return Refusal(400, "a GET or HEAD to the mirror carries no body")
         return request
 
-    async def _refuse(self, stream: trio.abc.Stream, refusal: Refusal) -> None:
+    async def _refuse(self, stream: trio.abc.Stream, refusal: Refusal, peer: str) -> None:
         """Answer what cannot be read as a request, then end our side (the caller closes)."""
         body = f"{_REASONS.get(refusal.status, 'error').lower()}: {refusal.reason}\n".encode()
         head = [
@@ -415,11 +466,16 @@ class _Mirror:
             b"\r\n",
         ]
         log.debug("refused a request: %d %s", refusal.status, refusal.reason)
+        sent = False
         with (
             trio.move_on_after(1),
             contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
         ):
-            await stream.send_all(b"".join(head) + body)
+            try:
+                await stream.send_all(b"".join(head) + body)
+                sent = True
+            finally:
+                _access(b"-", b"-", refusal.status, len(body) if sent else 0, peer, sent)
             # Read and drop what the client still sends (briefly, boundedly): closing
             # with unread bytes resets the connection, which can destroy the answer.
             if isinstance(stream, trio.SocketStream):
@@ -442,6 +498,12 @@ class _Mirror:
             return
         with trio.move_on_after(self.limits.send_timeout_s) as timer:
             await stream.send_all(data)
+        tally = self._tallies.get(conn)
+        if tally is not None and not timer.cancelled_caught:
+            if isinstance(event, h11.Response):
+                tally.status = event.status_code
+            elif isinstance(event, h11.Data):
+                tally.sent += len(event.data)
         if timer.cancelled_caught:
             log.info(
                 "a mirror client stopped reading for %g s (send_timeout_s); closing",
@@ -652,8 +714,9 @@ async def serve_mirror(
             return
         active += 1
         try:
+            peer = _peer_of(stream)
             if ssl_context is None:
-                await mirror.connection(stream)
+                await mirror.connection(stream, peer)
                 return
             tls = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
             try:
@@ -663,7 +726,7 @@ async def serve_mirror(
                 log.debug("a TLS handshake with a mirror client failed or took too long")
                 await trio.aclose_forcefully(tls)
                 return
-            await mirror.connection(tls)
+            await mirror.connection(tls, peer)
         finally:
             active -= 1
 

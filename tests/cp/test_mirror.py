@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import ssl
 import time
@@ -463,3 +464,65 @@ async def test_tls(tmp_path: Path) -> None:
             r = await client.get(f"https://127.0.0.1:{port}/w.bin", headers={"range": "bytes=-16"})
         nursery.cancel_scope.cancel()
     assert (r.status_code, r.content) == (206, PART_B[-16:])
+
+
+# --- the access log -----------------------------------------------------------------------
+
+
+async def test_each_answer_is_one_access_log_line(
+    mirror: Mirror, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.cp.mirror")
+    async with httpx.AsyncClient(base_url=mirror.url) as client:
+        assert (await client.get("/tiny/a.gguf")).status_code == 200
+        assert (
+            await client.get("/tiny/a.gguf", headers={"range": "bytes=10-19"})
+        ).status_code == 206
+        assert (await client.head("/tiny/b.gguf")).status_code == 200
+        missing = await client.get("/tiny/nothing.gguf")
+        assert missing.status_code == 404
+        manifest = await client.get("/tiny/")
+    # A target that decodes to a line break, and a head that is not HTTP at all.
+    status, _, _ = await raw(mirror.port, get(b"/tiny/a%0d%0aGET%20'/forged'"))
+    assert status == 400
+    status, _, _ = await raw(mirror.port, b"GET /tiny/a.gguf HTTP/1.1\r\nbad header\r\n\r\n")
+    assert status == 400
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.cp.mirror"]
+    access = [line for line in lines if " bytes to 127.0.0.1:" in line]
+    assert all("\n" not in line and "\r" not in line for line in lines)
+    assert [line.split(" bytes to ")[0] for line in access] == [
+        f"GET '/tiny/a.gguf' 200 {len(PART_A)}",
+        "GET '/tiny/a.gguf' 206 10",
+        "HEAD '/tiny/b.gguf' 200 0",
+        f"GET '/tiny/nothing.gguf' 404 {len(missing.content)}",
+        f"GET '/tiny/' 200 {len(manifest.content)}",
+        f"GET \"/tiny/a%0d%0aGET%20'/forged'\" 400 {access[5].split()[3]}",
+        f"- '-' 400 {access[6].split()[3]}",
+    ]
+    assert int(access[5].split()[3]) > 0 and int(access[6].split()[3]) > 0
+    # The peer is the client's address and port, and no answer was cut.
+    assert all(line.rsplit(":", 1)[1].isdigit() for line in access), access
+
+
+async def test_an_answer_the_client_walks_away_from_is_logged_as_cut(
+    mirror: Mirror, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.cp.mirror")
+    size = 64 << 20
+    with open(mirror.root / "big.bin", "wb") as f:
+        f.truncate(size)
+    stream = await trio.open_tcp_stream("127.0.0.1", mirror.port)
+    await stream.send_all(get(b"/big.bin"))
+    with trio.fail_after(5):
+        assert await stream.receive_some(65536)
+    await trio.aclose_forcefully(stream)
+
+    def cut() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().endswith(" (cut)")]
+
+    with trio.fail_after(10):
+        while not cut():
+            await trio.sleep(0.05)
+    [line] = cut()
+    assert line.startswith("GET '/big.bin' 200 ")
+    assert 0 <= int(line.split()[3]) < size
