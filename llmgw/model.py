@@ -135,13 +135,57 @@ class Weights:
 class Engine:
     name: str  # vllm, sglang, llama-server
     path: str  # the executable, or the Python that imports the module
+    version: str | None = None  # the installed version; None: not known (configured by hand)
+    # "installed": installed by the agent from the control plane's declaration and
+    # proven to run; "configured": named in agent.yaml engine_paths (the operator's word).
+    state: str = "configured"
+
+
+@attrs.frozen
+class EngineStatus:
+    """A declared engine the node cannot run yet, in the node's own words."""
+
+    name: str
+    state: str  # installing | waiting | failed
+    detail: str  # one line: "downloading llama-b6xxx-bin-ubuntu-x64.tar.gz (16 MB, 40 %)"
+    version: str | None = None  # the declared version it is working on
 
 
 @attrs.frozen
 class Engines:
-    """Engines found on the node. Present means the agent probed: empty = has none."""
+    """Engines on the node. Present means the agent probed: empty `found` = runs none.
+
+    `found` holds only engines that can run (installed and proven, or configured);
+    `pending` what the agent is still doing, or failed to do, about declared ones."""
 
     found: tuple[Engine, ...] = ()
+    pending: tuple[EngineStatus, ...] = ()
+
+
+@attrs.frozen
+class EngineArchive:
+    variant: str  # cpu-x86_64, cpu-aarch64, cuda12-x86_64, ...
+    url: str  # http(s):// or mirror:/path
+    sha256: str
+
+
+@attrs.frozen
+class EngineDecl:
+    """One engine the control plane wants on every node, at one version."""
+
+    name: str  # llama-server | vllm | sglang
+    version: str
+    archives: tuple[EngineArchive, ...] = ()  # llama-server: one per variant
+    requirement: str | None = None  # vllm, sglang: a pip requirement ("vllm==0.9.2")
+    index_url: str | None = None  # pip's index; None: the control plane's mirror's /simple/
+
+
+@attrs.frozen
+class EngineDecls:
+    """The control plane's engine declaration; `fingerprint` changes with any of it."""
+
+    fingerprint: str
+    engines: tuple[EngineDecl, ...] = ()
 
 
 @attrs.frozen
@@ -319,6 +363,7 @@ class Settings:
     # resolve against it), and whether it speaks TLS; None: no mirror is served.
     mirror_port: int | None = None
     mirror_tls: bool = False
+    engines: EngineDecls | None = None  # what every node should install; None: nothing declared
 
 
 @attrs.frozen

@@ -90,9 +90,39 @@ struct Weights {
   dir @2 :Text;                # the weights directory; null: the agent fetches nothing
 }
 
-struct Engine { name @0 :Text; path @1 :Text; }
+struct Engine {
+  name @0 :Text;
+  path @1 :Text;
+  version @2 :Text;            # null: not known (configured by hand)
+  state @3 :Text;              # installed | configured
+}
 
-struct Engines { found @0 :List(Engine); }
+struct EngineStatus {
+  name @0 :Text;
+  state @1 :Text;              # installing | waiting | failed
+  detail @2 :Text;             # the node's words, one line
+  version @3 :Text;
+}
+
+struct Engines {
+  found @0 :List(Engine);      # only engines that can run
+  pending @1 :List(EngineStatus);
+}
+
+struct EngineArchive { variant @0 :Text; url @1 :Text; sha256 @2 :Text; }
+
+struct EngineDecl {
+  name @0 :Text;
+  version @1 :Text;
+  archives @2 :List(EngineArchive);
+  requirement @3 :Text;        # pip requirement (vllm, sglang); null for archives
+  indexUrl @4 :Text;           # null: the mirror's /simple/
+}
+
+struct EngineDecls {
+  fingerprint @0 :Text;
+  engines @1 :List(EngineDecl);
+}
 
 struct GpuUsage {
   index @0 :Int32;
@@ -174,6 +204,7 @@ struct Settings {
   epoch @1 :Int64;
   mirrorPort @2 :OptI64;       # null: no weights mirror; else on the host the agent dialled
   mirrorTls @3 :Bool;
+  engines @4 :EngineDecls;     # null: this control plane declares no engines
 }
 
 struct Progress {
@@ -265,6 +296,8 @@ interface Agent {
   reclaim @4 (epoch :Int64, paths :List(Text), dryRun :Bool) -> (result :Reclaimed);
   inventory @5 () -> (inventory :Inventory);
   engineCheck @6 (engine :Text, argv :List(Text)) -> (check :FlagCheck);
+  # The declaration changed (server.yaml reloaded): converge on it.
+  declareEngines @7 (epoch :Int64, engines :EngineDecls) -> ();
 }
 
 interface LogSink {

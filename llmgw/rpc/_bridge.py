@@ -62,7 +62,16 @@ schema: Any = capnp.load(str(_SCHEMA_PATH))
 
 # The control plane's calls on an agent, by their schema names.
 AGENT_CALLS = frozenset(
-    {"inventory", "startShard", "stopShard", "drain", "logs", "reclaim", "engineCheck"}
+    {
+        "inventory",
+        "startShard",
+        "stopShard",
+        "drain",
+        "logs",
+        "reclaim",
+        "engineCheck",
+        "declareEngines",
+    }
 )
 _DEFAULT_PER_CALL: Mapping[str, float] = {
     # A full discovery (NVML or nvidia-smi, topology, engine probes) on the agent.
@@ -934,9 +943,7 @@ class AgentHandle(_Handle):
 
         return await self._call("logs", logs)
 
-    async def reclaim(
-        self, epoch: int, paths: tuple[str, ...], dry_run: bool
-    ) -> model.Reclaimed:
+    async def reclaim(self, epoch: int, paths: tuple[str, ...], dry_run: bool) -> model.Reclaimed:
         bridge = self._bridge
 
         async def reclaim() -> model.Reclaimed:
@@ -949,6 +956,17 @@ class AgentHandle(_Handle):
             return result
 
         return await self._call("reclaim", reclaim)
+
+    async def declare_engines(self, epoch: int, engines: model.EngineDecls) -> None:
+        bridge = self._bridge
+
+        async def declare_engines() -> None:
+            request = bridge._cap(self._cap_id, "declareEngines").declareEngines_request()
+            request.epoch = epoch
+            _codec.encode(engines, request.init("engines"))
+            await request.send()
+
+        await self._call("declareEngines", declare_engines)
 
     async def engine_check(self, engine: str, argv: tuple[str, ...]) -> model.FlagCheck:
         bridge = self._bridge
@@ -1077,6 +1095,10 @@ class _AgentImpl(schema.Agent.Server):  # type: ignore[misc]
         params = context.params
         result = await self._call("reclaim", params.epoch, tuple(params.paths), params.dryRun)
         _codec.encode(result, context.results.init("result"))
+
+    async def declareEngines_context(self, context: Any) -> None:
+        engines = _codec.decode(model.EngineDecls, context.params.engines)
+        await self._call("declare_engines", context.params.epoch, engines)
 
     async def engineCheck_context(self, context: Any) -> None:
         argv = tuple(context.params.argv)

@@ -59,6 +59,7 @@ TYPES = [
     (model.Settings, schema.Settings),
     (model.ShardSpec, schema.ShardSpec),
     (model.Reclaimed, schema.Reclaimed),
+    (model.EngineDecls, schema.EngineDecls),
 ]
 
 

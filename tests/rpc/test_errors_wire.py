@@ -247,7 +247,7 @@ def test_deadlines_per_call_and_their_bounds() -> None:
     assert d.of("stopShard", extra_s=30.0) == 40.0
     assert Deadlines(default_s=3, per_call={"startShard": 20}).of("logs") == 3
     assert Deadlines(default_s=3, per_call={"startShard": 20}).of("startShard") == 20
-    with pytest.raises(ValueError, match=r"no agent call named startshard; known: drain, "):
+    with pytest.raises(ValueError, match=r"no agent call named startshard; known: declareEngines, drain, "):
         Deadlines(per_call={"startshard": 1})
     with pytest.raises(ValueError, match=r"deadline of logs: 0 s; use more than 0"):
         Deadlines(per_call={"logs": 0})
