@@ -219,6 +219,8 @@ class ServerConfig:
     rpc_max_pending_handshakes: int = attrs.field(default=256, validator=between(1, 65536))
     models: list[dict[str, Any]] = attrs.field(factory=list)  # the catalog: llmgw.cp._catalog
     mirror: MirrorConfig = attrs.field(factory=MirrorConfig)  # llmgw.cp._mirror
+    # The engines every node installs, by name; null: none declared (llmgw.cp._engines).
+    engines: dict[str, Any] | None = None
 
 
 @attrs.define(kw_only=True, frozen=True)

@@ -15,7 +15,9 @@ Filters (a node must pass them all; `None` is unknown and never excludes):
 | 1     | not cordoned                          | `cordoned`                               |
 | 2     | every `node_selector` label           | `labels do not match zone=eu`            |
 | 3     | GPU profile: known cards of the class | `GPUs unknown`, `has no h100-80g cards`  |
-| 4     | the engine (engines None: allowed)    | `engine vllm not installed`              |
+| 4     | the engine (engines None: allowed)    | `engine vllm not installed`, or the      |
+|       |                                       | node's words: `installing: downloading   |
+|       |                                       | llama-b6123-....tar.gz (16 MB)`          |
 | 5     | min_memory_gb of memory (None: ok)    | `has 8 GB of memory, needs 24`           |
 | 6     | disk for the weights unless held      | `has 10 GB free on /w, needs 16` (the    |
 |       | (disk None: ok)                       | weights dir; unknown: `10 GB free for    |
@@ -107,6 +109,10 @@ class NodeFacts:
     cordoned: bool = False
     labels: tuple[tuple[str, str], ...] = ()
     engines: frozenset[str] | None = None
+    # What the node says of an engine it cannot run yet, for the refusal: (name, words),
+    # "installing: downloading llama-b6123-bin-cpu-x86_64.tar.gz (16 MB)", "failed: ...",
+    # or "has llama-server b6000, needs b6123" (llmgw.cp._reconciler.engine_facts).
+    engine_words: tuple[tuple[str, str], ...] = ()
     gpus: tuple[GpuFacts, ...] | None = None
     nvlinks: tuple[tuple[int, int, int], ...] = ()  # (gpu a, gpu b, link count)
     nic_distance: tuple[tuple[int, str, str], ...] = ()  # (gpu, adapter, PIX..SYS)
@@ -839,7 +845,8 @@ def _static_reason(node: _Node, p: PlacementProfile) -> _Group | None:
         if p.gpu_class not in node.cards:
             return 3, f"has no {p.gpu_class} cards"
     if f.engines is not None and p.engine not in f.engines:
-        return 4, f"engine {p.engine} not installed"
+        said = next((w for name, w in f.engine_words if name == p.engine), None)
+        return 4, said or f"engine {p.engine} not installed"
     if (
         p.min_memory_gb is not None
         and f.memory_total_bytes is not None

@@ -1,43 +1,67 @@
 """The catalog as a file: loaded at start, reloaded on SIGHUP and when it changes.
 
-A bad file is refused whole and the running catalog stays, with the reasons
-logged.
+The file is server.yaml; its `engines:` declaration (llmgw/cp/_engines.py) is
+reloaded with the catalog. A bad file is refused whole (catalog and engines) and
+the running ones stay, with the reasons logged.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
+from llmgw import model
 from llmgw.cp import _catalog
 from llmgw.errors import ConfigError
 
 log = logging.getLogger("llmgw.cp.catalog")
 
 
-def read(path: Path) -> _catalog.Catalog:
+def read_data(path: Path) -> Any:
+    """server.yaml's parsed YAML ({} for an empty file)."""
     try:
         data = YAML(typ="safe", pure=True).load(path.read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return _catalog.parse(data or {}, str(path))
+    return data or {}
+
+
+def read(path: Path) -> _catalog.Catalog:
+    return _catalog.parse(read_data(path), str(path))
+
+
+# server.yaml's parsed data -> its engine declaration (llmgw.cp._engines.load, bound
+# to the file's name, the mirror's directory and its hash cache).
+EngineLoader = Callable[[Any], Awaitable["model.EngineDecls | None"]]
 
 
 class CatalogFile:
-    def __init__(self, path: Path, initial: _catalog.Catalog) -> None:
+    def __init__(
+        self,
+        path: Path,
+        initial: _catalog.Catalog,
+        engines: model.EngineDecls | None = None,
+        load_engines: EngineLoader | None = None,
+    ) -> None:
         self.path = path
         self.catalog = initial
+        self.engines = engines
+        self.load_engines = load_engines  # None: the engines are not this file's to reload
         self.loads = 1
         self.refusals = 0
         self.on_change: Callable[[], None] = lambda: None
+        # Called with the new declaration when its fingerprint changes (the registry's
+        # declare_engines); None: the `engines:` key went away.
+        self.on_engines: Callable[[model.EngineDecls | None], None] = lambda _: None
         self._stamp = self._mtime()
 
     def __repr__(self) -> str:
@@ -50,24 +74,38 @@ class CatalogFile:
             return None
         return st.st_mtime_ns, st.st_size
 
-    def reload(self, why: str) -> bool:
+    async def reload(self, why: str) -> bool:
         try:
-            catalog = read(self.path)
+            data = read_data(self.path)
+            catalog = _catalog.parse(data, str(self.path))
+            engines = self.engines
+            if self.load_engines is not None:
+                engines = await self.load_engines(data)
         except ConfigError as exc:
             self.refusals += 1
-            log.error("catalog reload (%s) refused; the running catalog stays:\n%s", why, exc)
+            log.error(
+                "catalog reload (%s) refused; the running catalog and engines stay:\n%s",
+                why,
+                exc,
+            )
             return False
         changed = catalog != self.catalog
+        before = self.engines.fingerprint if self.engines is not None else None
+        after = engines.fingerprint if engines is not None else None
         self.catalog = catalog
+        self.engines = engines
         self.loads += 1
         log.info(
-            "catalog reloaded (%s): %d models%s",
+            "catalog reloaded (%s): %d models%s%s",
             why,
             len(catalog.models),
             "" if changed else ", unchanged",
+            "" if before == after else f", engines {before or 'none'} -> {after or 'none'}",
         )
         if changed:
             self.on_change()
+        if before != after:
+            self.on_engines(engines)
         return True
 
     async def watch(self, *, poll_s: float = 2.0) -> None:
@@ -78,7 +116,7 @@ class CatalogFile:
                 with trio.open_signal_receiver(signal.SIGHUP) as signals:
                     async for _ in signals:
                         self._stamp = self._mtime()
-                        self.reload("SIGHUP")
+                        await self.reload("SIGHUP")
 
             nursery.start_soon(on_hup)
             while True:
@@ -86,4 +124,4 @@ class CatalogFile:
                 stamp = self._mtime()
                 if stamp != self._stamp and stamp is not None:
                     self._stamp = stamp
-                    self.reload("the file changed")
+                    await self.reload("the file changed")

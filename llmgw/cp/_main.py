@@ -15,11 +15,11 @@ import trio
 
 from llmgw import config, core
 from llmgw._process import run_service, setup_logging
-from llmgw.cp import _catalog_file
+from llmgw.cp import _catalog, _catalog_file, _engines
 from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
 from llmgw.cp._catalog_file import CatalogFile
 from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
-from llmgw.cp._mirror import serve_mirror
+from llmgw.cp._mirror import ManifestCache, serve_mirror
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
 from llmgw.cp._sizes import SourceSizes
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         cfg = config.load(args.config, config.ServerConfig)
-        catalog = CatalogFile(args.config, _catalog_file.read(args.config))
+        data = _catalog_file.read_data(args.config)
+        catalog = CatalogFile(args.config, _catalog.parse(data, str(args.config)))
         router_cfg = config.structure(cfg.router, RouterConfig, str(args.config), at="router")
         if router_cfg.workers > 1 and cfg.router_listen is None:
             raise ConfigError(
@@ -60,12 +61,25 @@ def main(argv: list[str] | None = None) -> int:
         # Before anything starts: a missing file is named by its key, not only its path.
         config.check_tls_files(cfg.tls, args.config)
         config.check_mirror_dir(cfg.mirror, args.config)
+        # The mirror's hash cache: the archives' sha256 computed here are the ones the
+        # mirror then serves without reading the files again.
+        hashes = ManifestCache()
+        catalog.load_engines = load_engines = engine_loader(cfg, args.config, hashes)
+        catalog.engines = trio.run(load_engines, data)
     except ConfigError as exc:
         print(f"llmgw-cp: {exc}", file=sys.stderr)
         return 2
     return run_service(
-        "llmgw-cp", lambda: serve(cfg, catalog, router_cfg, log_level=args.log_level)
+        "llmgw-cp",
+        lambda: serve(cfg, catalog, router_cfg, log_level=args.log_level, hashes=hashes),
     )
+
+
+def engine_loader(
+    cfg: config.ServerConfig, path: Path, hashes: ManifestCache
+) -> _catalog_file.EngineLoader:
+    """server.yaml's data -> its engine declaration, with this file's mirror and hashes."""
+    return partial(_engines.load, source=str(path), mirror_dir=cfg.mirror.dir, hasher=hashes.sha256)
 
 
 async def serve(
@@ -74,6 +88,7 @@ async def serve(
     router_cfg: RouterConfig | None = None,
     *,
     log_level: str | None = None,
+    hashes: ManifestCache | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
@@ -84,6 +99,10 @@ async def serve(
     registry = NodeRegistry(_policy(cfg), forget_after_s=cfg.forget_after_s)
     registry.load_overrides(cfg.state_dir / "overrides.json")
     registry.load_known(cfg.state_dir / "known_nodes.json")  # whom a restart waits for
+    registry.engines = catalog.engines  # before the RPC listener: every registration has it
+    log.info("engines: %s", _engines.describe(catalog.engines))
+    catalog.on_engines = registry.declare_engines
+    hashes = hashes or ManifestCache()
     reconciler = Reconciler(
         registry,
         lambda: catalog.catalog,
@@ -163,7 +182,7 @@ async def serve(
         nursery.start_soon(catalog.watch)
         if cfg.mirror.dir is not None:
             # Before the RPC listener: every registration's Settings name its port.
-            registry.mirror_port = await _start_mirror(nursery, cfg, cfg.mirror.dir)
+            registry.mirror_port = await _start_mirror(nursery, cfg, cfg.mirror.dir, hashes)
             registry.mirror_tls = cfg.mirror.tls
         await nursery.start(sizes.run)
         rpc_bound = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, registry)
@@ -199,14 +218,18 @@ async def serve(
         task_status.started()
 
 
-async def _start_mirror(nursery: trio.Nursery, cfg: config.ServerConfig, root: Path) -> int:
+async def _start_mirror(
+    nursery: trio.Nursery, cfg: config.ServerConfig, root: Path, hashes: ManifestCache
+) -> int:
     """The weights mirror on its own listener: bytes only, nothing administrative; its port."""
     host, port = config.split_host_port(cfg.mirror.listen)
     # The RPC listener's certificate and key, in a context of its own (the RPC one lives
     # in the capnp thread); it asks for a client certificate from the same CA, as the RPC
     # listener does: the agents hold one.
     ctx = _tls.server_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key) if cfg.mirror.tls else None
-    bound = await nursery.start(partial(serve_mirror, root, host, port, ssl_context=ctx))
+    bound = await nursery.start(
+        partial(serve_mirror, root, host, port, ssl_context=ctx, cache=hashes)
+    )
     shown = f"[{host}]" if ":" in host else host
     log.info(
         "weights mirror on %s://%s:%d/ serving %s",

@@ -18,6 +18,15 @@ no record of them beyond an in-memory cache of hashes.
   (path, size, mtime_ns). A directory without its slash is a 404 that says so
   (no redirect: nothing here echoes the client's target back). A file that
   changes while it is hashed (still being copied in) answers 503.
+- `GET`/`HEAD /simple/` and `/simple/<project>/`: a Python package index of the
+  wheels (and sdists) an operator puts in `<root>/simple/<project>/` (PEP 503's
+  layout; a directory's name is normalized as PEP 503 says, so `My_Pkg/` is the
+  project `my-pkg`): PEP 691 JSON when the client's Accept names
+  `application/vnd.pypi.simple.v1+json` (pip >= 22.2 asks for it first), else
+  the minimal PEP 503 HTML page, every name escaped (the only HTML this server
+  writes). Each file's link carries its sha256 from the hash cache; the files
+  themselves are the plain files under the root. A project name that is not a
+  valid one (PEP 508) is a 404; no `<root>/simple/` is an empty index.
 - Names beginning with a dot are neither served nor listed: rsync's
   temporaries (`.a.gguf.Xy12`) and editors' files are not weights yet.
 
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import html
 import json
 import logging
 import os
@@ -53,7 +63,7 @@ import ssl
 import stat
 from email.utils import formatdate
 from pathlib import Path
-from urllib.parse import unquote_to_bytes
+from urllib.parse import quote, unquote_to_bytes
 
 import attrs
 import h11
@@ -186,6 +196,83 @@ def _show(raw: bytes, limit: int = 80) -> str:
     return repr(text + ("..." if len(raw) > limit else ""))
 
 
+# --- the simple index (PEP 503 / PEP 691), pure ------------------------------------------
+
+SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+_PROJECT = re.compile(r"^([A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9])$", re.IGNORECASE)
+_DIST_SUFFIXES = (".whl", ".tar.gz", ".zip")
+
+
+def normalize(name: str) -> str:
+    """PEP 503's normalized project name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def is_project_name(name: str) -> bool:
+    return bool(_PROJECT.match(name))
+
+
+def wants_json(accept: bytes | None) -> bool:
+    """Whether the client's Accept takes PEP 691's JSON (with q above 0)."""
+    if not accept:
+        return False
+    for item in accept.decode("latin-1").split(","):
+        kind, *params = (part.strip() for part in item.split(";"))
+        if kind.lower() != SIMPLE_JSON:
+            continue
+        q = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        if q > 0:
+            return True
+    return False
+
+
+def project_list(names: list[str], as_json: bool) -> bytes:
+    """The index's root page: normalized project names, sorted."""
+    names = sorted(set(names))
+    if as_json:
+        body = {"meta": {"api-version": "1.0"}, "projects": [{"name": n} for n in names]}
+        return json.dumps(body, separators=(",", ":")).encode()
+    links = "".join(
+        f'<a href="/simple/{html.escape(quote(n), quote=True)}/">{html.escape(n)}</a>\n'
+        for n in names
+    )
+    return _html("Simple index", links)
+
+
+def project_page(name: str, files: list[tuple[str, str, str]], as_json: bool) -> bytes:
+    """One project's page: (file name, its path under the root, sha256) each."""
+    if as_json:
+        body = {
+            "meta": {"api-version": "1.0"},
+            "name": name,
+            "files": [
+                {"filename": f, "url": "/" + quote(path), "hashes": {"sha256": digest}}
+                for f, path, digest in files
+            ],
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+    links = "".join(
+        f'<a href="{html.escape("/" + quote(path), quote=True)}#sha256={digest}">'
+        f"{html.escape(f)}</a>\n"
+        for f, path, digest in files
+    )
+    return _html(f"Links for {html.escape(name)}", links)
+
+
+def _html(title: str, links: str) -> bytes:
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta name="pypi:repository-version" content="1.0">'
+        f"<title>{title}</title></head><body>\n{links}</body></html>\n"
+    ).encode()
+
+
 # --- the manifest's hashes ----------------------------------------------------------------
 
 
@@ -310,6 +397,28 @@ def _list_directory(real: str, root: str) -> list[tuple[str, str, int, int]] | N
         if stat.S_ISREG(st.st_mode):
             out.append((name, path, st.st_size, st.st_mtime_ns))
     out.sort()
+    return out
+
+
+def _list_projects(root: str) -> dict[str, list[str]]:
+    """normalized project -> the directory names under <root>/simple/ that hold it."""
+    simple = _locate(root, ("simple",))
+    out: dict[str, list[str]] = {}
+    if simple is None:
+        return out
+    try:
+        entries = list(os.scandir(simple))
+    except OSError:
+        return out
+    for entry in entries:
+        name = entry.name
+        if name.startswith(".") or not is_project_name(name):
+            continue
+        real = _locate(root, ("simple", name))
+        if real is not None and os.path.isdir(real):
+            out.setdefault(normalize(name), []).append(name)
+    for dirs in out.values():
+        dirs.sort()
     return out
 
 
@@ -553,10 +662,70 @@ class _Mirror:
         if real is None:
             await self._error(stream, conn, request, Refusal(404, f"{shown}: not found"))
             return
-        if target.directory:
+        if target.directory and target.segments[:1] == ("simple",) and len(target.segments) <= 2:
+            await self._simple_index(stream, conn, request, target.segments[1:])
+        elif target.directory:
             await self._manifest(stream, conn, request, real, shown)
         else:
             await self._file(stream, conn, request, real, shown)
+
+    async def _simple_index(
+        self,
+        stream: trio.abc.Stream,
+        conn: h11.Connection,
+        request: h11.Request,
+        project: tuple[str, ...],
+    ) -> None:
+        accept = next((v for k, v in request.headers if k == b"accept"), None)
+        as_json = wants_json(accept)
+        projects = await trio.to_thread.run_sync(_list_projects, self.root)
+        if not project:
+            body = project_list(list(projects), as_json)
+        else:
+            asked = project[0]
+            if not is_project_name(asked) or normalize(asked) not in projects:
+                shown = _show(asked.encode("utf-8", "replace"))
+                await self._error(
+                    stream, conn, request, Refusal(404, f"no project {shown} in /simple/")
+                )
+                return
+            name = normalize(asked)
+            files: list[tuple[str, str, str]] = []
+            try:
+                for d in projects[name]:
+                    real = await trio.to_thread.run_sync(_locate, self.root, ("simple", d))
+                    listed = (
+                        await trio.to_thread.run_sync(_list_directory, real, self.root)
+                        if real is not None
+                        else None
+                    )
+                    for fname, path, size, mtime_ns in listed or []:
+                        if fname.endswith(_DIST_SUFFIXES):
+                            digest = await self.cache.sha256(fname, path, size, mtime_ns)
+                            files.append((fname, f"simple/{d}/{fname}", digest))
+            except _Changed as exc:
+                await self._error(
+                    stream,
+                    conn,
+                    request,
+                    Refusal(
+                        503,
+                        f"/simple/{name}/: {exc.name} changed while it was hashed (still "
+                        "being copied in?); ask again once it is complete",
+                        ((b"retry-after", b"5"),),
+                    ),
+                )
+                return
+            except OSError as exc:
+                await self._error(
+                    stream, conn, request, Refusal(503, f"/simple/{name}/: cannot read: {exc}")
+                )
+                return
+            files.sort()
+            body = project_page(name, files, as_json)
+        kind = SIMPLE_JSON.encode() if as_json else b"text/html; charset=utf-8"
+        headers = [(b"content-type", kind), (b"cache-control", b"no-cache"), (b"vary", b"accept")]
+        await self._simple(stream, conn, request, 200, body, headers)
 
     async def _manifest(
         self,

@@ -23,6 +23,7 @@ adopted rather than started again.
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 from collections.abc import Callable, Sequence
 
@@ -375,7 +376,9 @@ class Reconciler:
         held = self._registry.cordoned.keys() | self._registry.draining.keys()
         out = []
         for rec in self._registry.records():
-            facts = attrs.evolve(node_facts(rec), cordoned=rec.node_id in held)
+            facts = attrs.evolve(
+                node_facts(rec, self._registry.engines), cordoned=rec.node_id in held
+            )
             if self._silent_since_unanswered(rec):
                 facts = attrs.evolve(facts, ready=False, state="did not answer the last call")
             out.append(facts)
@@ -621,8 +624,44 @@ def _gpu_healthy(g: model.Gpu, usage: model.GpuUsage | None) -> bool:
     return not ecc and (foreign or 0) <= FOREIGN_MEMORY_LIMIT_MIB
 
 
-def node_facts(rec: NodeRecord) -> placement.NodeFacts:
+# A percentage changes with every heartbeat of a download: placement's refusal names
+# what the node is doing, not how far it is (`ctl nodes` shows that).
+_PERCENT = re.compile(r"(?:, )?\d+(?:\.\d+)? ?%(?=\))|\s*\(\d+(?:\.\d+)? ?%\)")
+
+
+def engine_facts(
+    engines: model.Engines | None, declared: model.EngineDecls | None
+) -> tuple[frozenset[str] | None, tuple[tuple[str, str], ...]]:
+    """The engines a node can run for placement, and its words about the others.
+
+    Found and, when the control plane declares that engine, either configured by the
+    operator (agent.yaml's word wins) or at the declared version. The words: what the
+    agent says of an engine it is still installing ("installing: downloading ..."), or
+    that the one it has is another version ("has llama-server b6000, needs b6123")."""
+    if engines is None:
+        return None, ()
+    wanted = {d.name: d.version for d in declared.engines} if declared is not None else {}
+    runnable: set[str] = set()
+    words: dict[str, str] = {}
+    for e in engines.found:
+        need = wanted.get(e.name)
+        if need is None or e.state == "configured" or e.version == need:
+            runnable.add(e.name)
+        else:
+            has = f" {e.version}" if e.version else " (version unknown)"
+            words.setdefault(e.name, f"has {e.name}{has}, needs {need}")
+    for p in engines.pending:
+        if p.name in runnable:
+            continue
+        detail = _PERCENT.sub("", p.detail).strip()
+        words[p.name] = f"{p.state}: {detail}" if detail else p.state
+    said = tuple(sorted((n, w) for n, w in words.items() if n not in runnable))
+    return frozenset(runnable), said
+
+
+def node_facts(rec: NodeRecord, declared: model.EngineDecls | None = None) -> placement.NodeFacts:
     inv = rec.inventory
+    runnable, engine_words = engine_facts(inv.engines, declared)
     gpus = None
     if inv.gpus is not None:
         usage = {u.index: u for u in inv.usage.gpus}
@@ -650,7 +689,8 @@ def node_facts(rec: NodeRecord) -> placement.NodeFacts:
         ready=rec.liveness.state is core.NodeState.READY,
         state=None if rec.liveness.state is core.NodeState.READY else rec.liveness.state.value,
         labels=tuple((label.key, label.value) for label in inv.labels),
-        engines=frozenset(e.name for e in inv.engines.found) if inv.engines else None,
+        engines=runnable,
+        engine_words=engine_words,
         gpus=gpus,
         nvlinks=tuple((n.a, n.b, n.links) for n in topo.nvlinks) if topo else (),
         nic_distance=tuple((d.gpu, d.nic, d.distance) for d in topo.nic_distances) if topo else (),

@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from llmgw import core, model
+from llmgw.cp import _engines
 from llmgw.cp._events import EventLog
 from llmgw.errors import ConfigError, NotFound, RegistrationRefused, UsageError
 from llmgw.rpc import AgentHandle, PeerInfo, SessionServant
@@ -130,6 +131,10 @@ class NodeRegistry:
         # dialled); None: this control plane serves none.
         self.mirror_port: int | None = None
         self.mirror_tls = False
+        # server.yaml's `engines:`, in every registration's Settings and pushed to every
+        # connected agent when it changes (declare_engines); None: nothing declared.
+        self.engines: model.EngineDecls | None = None
+        self.declarations_sent = 0  # declareEngines calls answered, for tests and statistics
         self._clock = clock
         self._wall = wall
         self._nodes: dict[str, NodeRecord] = {}
@@ -340,7 +345,37 @@ class NodeRegistry:
             epoch=self.epoch,
             mirror_port=self.mirror_port,
             mirror_tls=self.mirror_tls,
+            engines=self.engines,
         )
+
+    def declare_engines(self, decls: model.EngineDecls | None) -> None:
+        """A new engine declaration: the next registrations carry it, and every connected
+        agent is told now, each in a task of its own bounded by the RPC deadline (the
+        bridge's), so that one slow or failed node delays and fails only itself. Going
+        from a declaration to none sends an empty one: nothing is declared any more."""
+        old = self.engines.fingerprint if self.engines is not None else None
+        new = decls.fingerprint if decls is not None else None
+        self.engines = decls
+        if old == new or self._nursery is None:
+            return
+        sent = decls if decls is not None else _engines.declare(())
+        for rec in self.records():
+            if rec.agent is not None:
+                self._nursery.start_soon(self._declare, rec.node_id, rec.generation, sent)
+
+    async def _declare(self, node_id: str, generation: int, decls: model.EngineDecls) -> None:
+        rec = self._current(node_id, generation)
+        if rec is None or rec.agent is None:
+            return
+        try:
+            await rec.agent.declare_engines(self.epoch, decls)
+        except Exception as exc:  # that node's failure only: it converges at its next registration
+            log.warning(
+                "node %s: declaring engines %s failed: %s", node_id, decls.fingerprint[:12], exc
+            )
+            return
+        self.declarations_sent += 1
+        log.info("node %s: engines %s declared", node_id, decls.fingerprint[:12])
 
     async def _watch(self, node_id: str, generation: int, closed: trio.Event) -> None:
         await closed.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -687,11 +688,29 @@ def _disk(filesystems: list[dict[str, Any]]) -> str:
     return f"{_gib(sum(f['free_bytes'] for f in own))}/{_gib(sum(f['total_bytes'] for f in own))}"
 
 
+_PERCENT = re.compile(r"(\d+(?:\.\d+)?) ?%")
+
+
 def _engines(engines: dict[str, Any] | None) -> str:
+    """The ENGINES cell: `llama-server b6123, vllm 0.9.2 installing (40 %)`.
+
+    A pending engine is named with the version it works on (the declared one);
+    `-`: the agent has not probed yet; `none`: it has none."""
     if engines is None:
         return "-"
-    names = sorted(e["name"] for e in engines.get("found", []))
-    return ",".join(names) or "none"
+    cells = []
+    for e in sorted(engines.get("found") or [], key=lambda e: str(e.get("name"))):
+        if e.get("state") == "configured":
+            cells.append(f"{e['name']} (configured)")
+        else:
+            cells.append(f"{e['name']} {e['version']}" if e.get("version") else str(e["name"]))
+    for p in sorted(engines.get("pending") or [], key=lambda p: str(p.get("name"))):
+        pct = (
+            _PERCENT.search(str(p.get("detail") or "")) if p.get("state") == "installing" else None
+        )
+        name = f"{p['name']} {p['version']}" if p.get("version") else str(p["name"])
+        cells.append(f"{name} {p['state']}" + (f" ({pct.group(1)} %)" if pct else ""))
+    return ", ".join(cells) or "none"
 
 
 def _warn(warnings: list[str]) -> str:
