@@ -271,7 +271,6 @@ def make_inventory(work: Path) -> Path:
     inventory = discovery.collect_inventory(
         runner=discovery.SubprocessRunner(env=env),
         nvml=None,
-        search_path=str(bin_dir),
         hostname="bench-node",
         model_dirs=[str(work / "models")],
     )

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import trio
 
 from llmgw import config, model
 from llmgw._process import run_service, setup_logging
+from llmgw.agent import _packages
+from llmgw.agent._engines import Installer, PipTls, Placement
 from llmgw.agent._fetch import Fetcher
 from llmgw.agent._node import Node
 from llmgw.agent._servant import AgentServant
@@ -112,10 +115,14 @@ async def serve(cfg: config.AgentConfig) -> None:
         known = session.control_plane if session is not None else None
         return ControlPlane(*known) if known is not None else None
 
+    def on_fetch_progress(name: str, done: int, total: int | None) -> None:
+        sources.progress(name, done, total)  # a shard's source
+        installer.progress(name, done, total)  # an engine's archive
+
     fetcher = Fetcher(
         cfg.weights_dir,
         max_concurrent=cfg.max_concurrent_fetches,
-        progress=lambda name, done, total: sources.progress(name, done, total),
+        progress=on_fetch_progress,
     )
     sources = Sources(
         fetcher,
@@ -125,6 +132,17 @@ async def serve(cfg: config.AgentConfig) -> None:
         on_fetched=node.rescan_weights,
         notify_progress=on_progress,
     )
+
+    installer = Installer(
+        cfg.state_dir,
+        fetcher=fetcher,
+        placement=lambda: placement(node.hardware),
+        control_plane=control_plane,
+        client_tls=tls,
+        pip_tls=PipTls(cfg.tls.ca, cfg.tls.cert, cfg.tls.key),
+    )
+    # Read at every heartbeat, which sends them when they changed.
+    node.installed_engines = lambda: model.Engines(installer.found(), installer.pending())
 
     engine_paths = _engine_paths(cfg)
     supervisor = Supervisor(
@@ -140,6 +158,7 @@ async def serve(cfg: config.AgentConfig) -> None:
         failed_kept=cfg.failed_shards_kept,
         node_id=cfg.node_id,
         sources=sources,
+        path_of=installer.path_of,
     )
     node.llmgw_pids = supervisor.pids
     node.shard_pids = supervisor.shard_pids
@@ -148,13 +167,19 @@ async def serve(cfg: config.AgentConfig) -> None:
         addresses=cfg.addresses,
         tls=tls,
         servant=AgentServant(
-            node, supervisor, engine_paths=engine_paths, in_flight=fetcher.in_flight
+            node,
+            supervisor,
+            engine_paths=engine_paths,
+            in_flight=fetcher.in_flight,
+            declare=installer.declare,
+            path_of=installer.path_of,
         ),
         hello_inventory=node.hello_inventory,
         heartbeat=node.heartbeat,
         shards=supervisor.reports,
         backoff=Backoff(cfg.reconnect_initial_s, cfg.reconnect_max_s),
         cert_path=cfg.tls.cert,
+        on_registered=lambda settings: installer.declare(settings.engines),
     )
     log.info(
         "agent %s starting; control planes: %s",
@@ -168,8 +193,21 @@ async def serve(cfg: config.AgentConfig) -> None:
         await nursery.start(supervisor.run)
         # Once per process: every reconnect registers with what is known.
         await node.discover()
+        # After discovery: the variant and the package family come from the hardware.
+        await nursery.start(installer.run)
         nursery.start_soon(node.sample_forever)
         await session.run(bridge)
+
+
+def placement(hardware: model.Inventory | None) -> Placement:
+    """What the installer chooses by: the architecture, an NVIDIA driver, the OS family."""
+    host = hardware.host if hardware is not None else None
+    arch = (host.arch if host is not None else None) or platform.machine() or None
+    nvidia = bool(host is not None and host.driver_version) or bool(
+        hardware is not None and hardware.gpus
+    )
+    family = _packages.family(host.os_id, host.os_like) if host is not None else None
+    return Placement(arch=arch, nvidia=nvidia, family=family)
 
 
 def _engine_paths(cfg: config.AgentConfig) -> dict[str, str]:

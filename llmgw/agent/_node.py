@@ -18,7 +18,6 @@ when they changed.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -48,13 +47,14 @@ class Node:
         root: Path = Path("/"),
         runner: discovery.Runner | None = None,
         nvml: discovery.NvmlLoader | None = discovery.load_pynvml,
-        search_path: str | None = None,
     ) -> None:
         self.cfg = cfg
         self._root = root
         self._runner = runner or discovery.SubprocessRunner()
         self._nvml = nvml
-        self._search_path = search_path
+        # What the engine installer has installed and proven, and is working on
+        # (llmgw.agent._engines.Installer); set by the agent, none by default.
+        self.installed_engines: Callable[[], model.Engines] = model.Engines
         self.discovery_timeout_s = cfg.discovery_timeout_s if cfg else DISCOVERY_TIMEOUT_S
         self.llmgw_pids: Callable[[], set[int]] = set
         self.shard_pids: Callable[[], Mapping[str, set[int]]] = dict
@@ -131,24 +131,30 @@ class Node:
             sglang_python=cfg.sglang_python if cfg else None,
             llmgw_pids=self.llmgw_pids(),
             nvml=self._nvml,
-            search_path=self._search_path,
+            engine_paths=cfg.engine_paths if cfg else None,
             storage_dirs=self._storage_dirs(),
             with_weights=with_software,
             with_engines=with_software,
         )
         labels = tuple(model.Label(k, v) for k, v in sorted((cfg.labels if cfg else {}).items()))
-        engines = self._with_configured(inventory.engines) if with_software else None
+        engines = self._merged(inventory.engines) if with_software else None
         return attrs.evolve(inventory, engines=engines, labels=labels)
 
-    def _with_configured(self, engines: model.Engines | None) -> model.Engines | None:
-        """Engines named in agent.yaml's engine_paths count when they exist and are executable."""
-        if self.cfg is None or not self.cfg.engine_paths:
-            return engines
-        found = {e.name: e for e in (engines.found if engines else ())}
-        for name, path in self.cfg.engine_paths.items():
-            if name in ("vllm", "llama-server") and os.access(path, os.X_OK):
-                found[name] = model.Engine(name=name, path=path)
-        return model.Engines(found=tuple(found[n] for n in sorted(found)))
+    @property
+    def hardware(self) -> model.Inventory | None:
+        """The hardware inventory once probed (host, GPUs); None before."""
+        return self._hardware
+
+    def _merged(self, configured: model.Engines | None) -> model.Engines | None:
+        """The configured engines (agent.yaml: the operator's word wins) and the
+        installed ones; None until the first probe finished ("not probed")."""
+        if configured is None:
+            return None
+        installed = self.installed_engines()
+        found = {e.name: e for e in installed.found}
+        found.update({e.name: e for e in configured.found})
+        pending = tuple(p for p in installed.pending if p.name not in found)
+        return model.Engines(found=tuple(found[n] for n in sorted(found)), pending=pending)
 
     def collect_usage(self) -> model.Usage:
         with self._sampling:
@@ -169,12 +175,11 @@ class Node:
                 self._model_dirs(), weights_dir=self._weights_dir()
             )
         if engines:
-            probed = discovery.probe_engines(
+            self._engines = discovery.probe_engines(
                 self._runner,
                 sglang_python=self.cfg.sglang_python if self.cfg else None,
-                search_path=self._search_path,
+                engine_paths=self.cfg.engine_paths if self.cfg else None,
             )
-            self._engines = self._with_configured(probed)
 
     # discovery, once -----------------------------------------------------------------
 
@@ -246,7 +251,7 @@ class Node:
             usage=fresh if fresh is not None else hardware.usage,
             gpus=_with_usage(hardware.gpus, fresh),
             weights=self._weights,
-            engines=self._engines,
+            engines=self._merged(self._engines),
             warnings=self._warnings(),
         )
         self._sent_weights = inventory.weights.fingerprint if inventory.weights else None
@@ -268,8 +273,9 @@ class Node:
             weights = self._weights
             self._sent_weights = weights.fingerprint
         engines = None
-        if self._engines is not None and self._engines != self._sent_engines:
-            engines = self._sent_engines = self._engines
+        now = self._merged(self._engines)
+        if now is not None and now != self._sent_engines:
+            engines = self._sent_engines = now
         warnings = None
         current = self._warnings()
         if current != self._sent_warnings:

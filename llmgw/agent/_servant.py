@@ -27,11 +27,15 @@ class AgentServant:
         *,
         engine_paths: dict[str, str] | None = None,
         in_flight: Callable[[], frozenset[str]] = frozenset,
+        declare: Callable[[model.EngineDecls], None] = lambda decls: None,
+        path_of: Callable[[str], str | None] = lambda engine: None,
     ) -> None:
         self._node = node
         self._supervisor = supervisor
         self._in_flight = in_flight  # cache names being fetched: reclaim leaves them
         self._engine_paths = dict(engine_paths or {})  # as the supervisor resolves them
+        self._declare = declare  # the engine installer's
+        self._path_of = path_of  # what the installer installed and proved, by engine
         self.newest_epoch = 0
 
     def _fence(self, epoch: int) -> None:
@@ -79,6 +83,12 @@ class AgentServant:
             await self._node.rescan_weights()
         return done
 
+    async def declare_engines(self, epoch: int, decls: model.EngineDecls) -> None:
+        """The control plane's engine declaration changed: converge on it (the same
+        fingerprint again is a no-op)."""
+        self._fence(epoch)
+        self._declare(decls)
+
     async def logs(self, shard_id: str, lines: int) -> list[model.LogLine]:
         return self._supervisor.tail(shard_id, max(1, min(lines, 1000)))
 
@@ -92,7 +102,11 @@ class AgentServant:
         path = None
         help_text = ""
         for command in commands:
-            exe = self._engine_paths.get(command[0]) or shutil.which(command[0])
+            exe = (
+                self._engine_paths.get(command[0])
+                or self._path_of(engine)
+                or shutil.which(command[0])
+            )
             if exe is None:
                 continue
             path = exe

@@ -60,8 +60,11 @@ class AgentSession:
         backoff: Backoff = Backoff(),
         rng: random.Random | None = None,
         cert_path: Path | None = None,
+        on_registered: Callable[[model.Settings], None] = lambda settings: None,
     ) -> None:
         self.node_id = node_id
+        # Each registration's settings (the engine declaration among them).
+        self._on_registered = on_registered
         self.addresses = list(addresses)
         self._tls = tls
         self._cert_path = cert_path  # named when the control plane refuses it
@@ -165,6 +168,7 @@ class AgentSession:
             session, settings = await conn.register(hello, deadline=30.0)
             self.registered_with = f"{host}:{port}"
             self.control_plane = (host, port, settings)
+            self._on_registered(settings)
             self._last_complaint = None
             self.registrations += 1
             self.connected.set()

@@ -138,21 +138,30 @@ class Sources:
         return str(path)
 
     def _mirror_url(self, text: str) -> tuple[str, ssl.SSLContext | None]:
-        cp = self._control_plane()
-        if cp is None:
-            raise SourceError(
-                f"{text}: not registered with a control plane, so there is no mirror to fetch from"
-            )
-        where = _host_port(cp.host, cp.port)
-        if cp.settings.mirror_port is None:
-            raise SourceError(
-                f"{text}: the control plane at {where} serves no weights mirror "
-                "(server.yaml mirror.dir)"
-            )
-        scheme = "https" if cp.settings.mirror_tls else "http"
-        path = quote(text[len(MIRROR_PREFIX) :])  # "/" stays; a space becomes %20
-        url = f"{scheme}://{_host_port(cp.host, cp.settings.mirror_port)}{path}"
-        return url, (self._client_tls if cp.settings.mirror_tls else None)
+        return mirror_url(self._control_plane(), text, self._client_tls)
+
+
+def mirror_url(
+    cp: ControlPlane | None, text: str, client_tls: ssl.SSLContext | None
+) -> tuple[str, ssl.SSLContext | None]:
+    """The URL of `mirror:/…` text on the control plane the agent registered with, and
+    the TLS to fetch it with (the agent's client context when the mirror speaks TLS);
+    SourceError when there is no such mirror. The engine installer resolves its
+    archives and pip's index here too."""
+    if cp is None:
+        raise SourceError(
+            f"{text}: not registered with a control plane, so there is no mirror to fetch from"
+        )
+    where = _host_port(cp.host, cp.port)
+    if cp.settings.mirror_port is None:
+        raise SourceError(
+            f"{text}: the control plane at {where} serves no weights mirror "
+            "(server.yaml mirror.dir)"
+        )
+    scheme = "https" if cp.settings.mirror_tls else "http"
+    path = quote(text[len(MIRROR_PREFIX) :])  # "/" stays; a space becomes %20
+    url = f"{scheme}://{_host_port(cp.host, cp.settings.mirror_port)}{path}"
+    return url, (client_tls if cp.settings.mirror_tls else None)
 
 
 def _host_port(host: str, port: int) -> str:

@@ -56,6 +56,8 @@ LOG_LIMIT_BYTES = 64 << 20  # an engine's log is cut back to its tail beyond thi
 _SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 FAILED_KEPT = 5  # failed shards whose directories are kept, newest first
 LAST_LINES = 10  # output lines a failure's reason carries
+# Each engine's program as its adapter writes argv[0]: the one the installer's path replaces.
+_PROGRAMS = {"vllm": "vllm", "llama-server": "llama-server", "sglang": "python3"}
 
 
 class ShardError(LlmgwError):
@@ -187,8 +189,11 @@ class Supervisor:
         node_id: str | None = None,
         proc: Path = _procfs.PROC,
         sources: Sources | None = None,
+        path_of: Callable[[str], str | None] = lambda engine: None,
     ) -> None:
         self.state_dir = state_dir
+        # The engine installer's: what it installed and proved, by engine name.
+        self._path_of = path_of
         self.shards_dir = state_dir / "shards"
         self.failed_dir = state_dir / "failed"
         self._on_change = on_change
@@ -339,14 +344,20 @@ class Supervisor:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _resolve(self, argv: Sequence[str]) -> list[str]:
+    def _resolve(self, argv: Sequence[str], engine: str | None = None) -> list[str]:
+        """argv[0] as agent.yaml's engine_paths name it (the operator's word wins), else
+        the engine the installer installed for this shard's engine, else as written."""
         argv = list(argv)
         if argv and argv[0] in self._engine_paths:
             argv[0] = self._engine_paths[argv[0]]
+        elif argv and engine is not None and argv[0] == _PROGRAMS.get(engine):
+            installed = self._path_of(engine)
+            if installed is not None:
+                argv[0] = installed
         return argv
 
     async def _spawn(self, shard: Shard, spec: model.ProcessSpec) -> ProcRecord:
-        argv = self._resolve(spec.argv)
+        argv = self._resolve(spec.argv, shard.spec.engine)
         source, local = shard.spec.source, shard.local_source
         if source is not None and local is not None:
             argv = [local if a == source else a for a in argv]

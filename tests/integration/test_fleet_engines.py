@@ -36,7 +36,9 @@ def test_agent_with_fake_gpus_shows_gpus_memory_disk_engines(
     (models / "tiny").mkdir(parents=True)
     (models / "tiny" / "model.safetensors").write_bytes(b"\0" * 4096)
     cluster.setup([])
-    cluster.write_agent_config("gpu-1", model_dirs=[str(models)])
+    # Named on purpose: an engine on PATH alone is not reported.
+    engine_paths = {name: str(bin_dir / name) for name in ("llama-server", "vllm")}
+    cluster.write_agent_config("gpu-1", model_dirs=[str(models)], engine_paths=engine_paths)
     from llmgw.ctl import _cert
 
     _cert.issue_agent(cluster.pki, "gpu-1")
@@ -57,7 +59,7 @@ def test_agent_with_fake_gpus_shows_gpus_memory_disk_engines(
     ]
     table = cluster.ctl("nodes").stdout
     row = next(line for line in table.splitlines() if line.startswith("gpu-1"))
-    assert "8xh100-80g" in row and "llama-server,vllm" in row
+    assert "8xh100-80g" in row and "llama-server (configured), vllm (configured)" in row
 
 
 @pytest.mark.slow
@@ -123,7 +125,9 @@ def test_engines_survive_ten_agent_kills_and_stop_leaves_nothing(
                 text = f.read().decode(errors="replace")
             return text if all(f"shard {sid}: adopted" in text for sid in shard_ids) else None
 
-        this_agent = wait_for(f"adoption of all three logged after kill {round_ + 1}", adoptions, 10)
+        this_agent = wait_for(
+            f"adoption of all three logged after kill {round_ + 1}", adoptions, 10
+        )
         assert ": started " not in this_agent  # adopted, never started again
 
     # Killed behind the agent's back: reported failed with its last output lines.

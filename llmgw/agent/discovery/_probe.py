@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import platform
-import shutil
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -592,26 +591,31 @@ def _walk_error(e: OSError) -> None:
 
 
 def probe_engines(
-    runner: Runner, *, sglang_python: str | None = None, search_path: str | None = None
+    runner: Runner,
+    *,
+    sglang_python: str | None = None,
+    engine_paths: Mapping[str, str] | None = None,
 ) -> Engines:
-    """vLLM and llama-server by looking them up on PATH; SGLang by importing it.
+    """The engines agent.yaml names on purpose ("configured", version unknown).
 
-    vllm and llama-server are never run: a wrapper script with that name may
-    start a server. SGLang has no executable of its own, so the configured
+    Nothing is looked up on PATH: an executable that happens to be called
+    `vllm` or `llama-server` is not an engine (the installer reports what it
+    installed and proved). `engine_paths`' vllm and llama-server count when the
+    file exists and is executable; they are never run, since a wrapper script
+    may start a server. SGLang has no executable of its own, so the configured
     Python is asked to import it, judged by the exit status alone.
     """
     found: list[Engine] = []
-    for name in ("vllm", "llama-server"):
-        path = shutil.which(name, path=search_path)
-        if path is not None:
-            found.append(Engine(name=name, path=path))
+    for name, path in sorted((engine_paths or {}).items()):
+        if name in ("vllm", "llama-server") and os.access(path, os.X_OK):
+            found.append(Engine(name=name, path=path, state="configured"))
     if sglang_python is not None:
         r = runner([sglang_python, "-c", "import sglang"], SGLANG_IMPORT_TIMEOUT_S)
         if r.ok:
-            found.append(Engine(name="sglang", path=sglang_python))
+            found.append(Engine(name="sglang", path=sglang_python, state="configured"))
         else:
             logger.info("sglang: %s -c 'import sglang': %s", sglang_python, r.describe())
-    return Engines(found=tuple(found))
+    return Engines(found=tuple(sorted(found, key=lambda e: e.name)))
 
 
 # --- Usage -----------------------------------------------------------------------------------
@@ -791,7 +795,7 @@ def collect_inventory(
     sglang_python: str | None = None,
     llmgw_pids: Collection[int] = (),
     nvml: NvmlLoader | None = load_pynvml,
-    search_path: str | None = None,
+    engine_paths: Mapping[str, str] | None = None,
     hostname: str | None = None,
     storage_dirs: Sequence[str | Path] = (),
     with_weights: bool = True,
@@ -802,8 +806,8 @@ def collect_inventory(
     `root` is where /proc, /sys and /etc are read from (a fake tree in tests);
     the configured directories are used as given; `weights_dir` is scanned as
     `scan_weights` says. `nvml=None` reads GPUs with
-    nvidia-smi only. `search_path` is the PATH engines are looked up on
-    (default: this process's). `storage_dirs` are reported by filesystem
+    nvidia-smi only. `engine_paths` are agent.yaml's (engines are never
+    looked up on PATH). `storage_dirs` are reported by filesystem
     beside the model directories, but not scanned for weights.
     `with_weights=False`, `with_engines=False` leave those unknown (None): the
     agent probes them on their own, since they may take minutes.
@@ -859,7 +863,7 @@ def collect_inventory(
         _guarded(
             "engines",
             warnings,
-            lambda: probe_engines(run, sglang_python=sglang_python, search_path=search_path),
+            lambda: probe_engines(run, sglang_python=sglang_python, engine_paths=engine_paths),
             None,
         )
         if with_engines

@@ -395,26 +395,33 @@ def test_weights_skip_partial_and_empty_and_fingerprint_changes(tmp_path: Path) 
     assert empty.files == () and empty.fingerprint != w.fingerprint
 
 
-def test_engines_found_on_path_never_run(tmp_path: Path) -> None:
+def test_engines_configured_never_run_and_never_from_path(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     marker = tmp_path / "ran"
     vllm = bin_dir / "vllm"
     vllm.write_text(f"#!/bin/sh\ntouch {marker}\n")
     vllm.chmod(0o755)
-    (bin_dir / "llama-server").write_text("#!/bin/sh\n")  # not executable: not an engine
+    llama = bin_dir / "llama-server"
+    llama.write_text("#!/bin/sh\n")  # not executable: not an engine
     runner = Recorded({("/opt/py/bin/python", "-c", "import sglang"): RunResult(0, "", "")})
-    engines = probe_engines(runner, sglang_python="/opt/py/bin/python", search_path=str(bin_dir))
-    assert [(e.name, e.path) for e in engines.found] == [
-        ("vllm", str(vllm)),
-        ("sglang", "/opt/py/bin/python"),
+    paths = {"vllm": str(vllm), "llama-server": str(llama), "python3": "/usr/bin/python3"}
+    engines = probe_engines(runner, sglang_python="/opt/py/bin/python", engine_paths=paths)
+    assert [(e.name, e.path, e.version, e.state) for e in engines.found] == [
+        ("sglang", "/opt/py/bin/python", None, "configured"),
+        ("vllm", str(vllm), None, "configured"),
     ]
     assert not marker.exists()
     assert runner.calls == [("/opt/py/bin/python", "-c", "import sglang")]
+    # Executables on PATH with the engines' names are not engines.
+    old = os.environ["PATH"]
+    os.environ["PATH"] = f"{bin_dir}:{old}"
+    try:
+        assert probe_engines(runner).found == ()
+    finally:
+        os.environ["PATH"] = old
     # A Python without sglang: exit status 1, not found.
-    real = probe_engines(
-        SubprocessRunner(), sglang_python=sys.executable, search_path=str(tmp_path)
-    )
+    real = probe_engines(SubprocessRunner(), sglang_python=sys.executable)
     assert real.found == ()
 
 
