@@ -26,6 +26,7 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python bench/rpc.py
 	$(BIN)/python bench/fleet.py
+	$(BIN)/python bench/install.py
 
 clean:
 	rm -rf $(VENV) demo-state .pytest_cache .mypy_cache .ruff_cache .hypothesis

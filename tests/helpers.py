@@ -6,9 +6,12 @@ tests/ is on sys.path under pytest (rootdir conftest, no package), so
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +201,79 @@ def loopback_pki(directory: Path, node: str = "n1") -> tuple[Any, Any]:
         directory / "ca.crt", directory / f"agent-{node}.crt", directory / f"agent-{node}.key"
     )
     return server, client
+
+
+# --- a slow link ---------------------------------------------------------------------
+
+
+class ThrottlingProxy:
+    """A TCP proxy on loopback that passes the server's bytes at `rate` bytes a second."""
+
+    def __init__(self, upstream: tuple[str, int], rate: int) -> None:
+        self.upstream = upstream
+        self.rate = rate
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.port = int(self._listener.getsockname()[1])
+        self._threads: list[threading.Thread] = []
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._spawn(self._accept)
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True)
+        with self._lock:
+            self._threads.append(t)
+        t.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            for s in (client, server):
+                s.settimeout(0.2)
+            with self._lock:
+                self._socks += [client, server]
+            self._spawn(self._pump, client, server, None)
+            self._spawn(self._pump, server, client, self.rate)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, rate: int | None) -> None:
+        step = 0.05
+        chunk = 65536 if rate is None else max(1, int(rate * step))
+        try:
+            while not self._stop.is_set():
+                try:
+                    data = src.recv(chunk)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                dst.sendall(data)
+                if rate is not None:
+                    self._stop.wait(step)  # the throttle itself, not a wait for an event
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        with self._lock:
+            threads, socks = list(self._threads), list(self._socks)
+        for t in threads:
+            t.join(5)
+        for s in socks:
+            s.close()

@@ -7,13 +7,11 @@ answered request, in cp.log) counts the downloads.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import http.server
 import json
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import llama_server_binary
+from helpers import ThrottlingProxy, llama_server_binary
 
 from llmgw.core import MARKER, cache_name, is_cache_name
 from llmgw.testing import fake_engine, tiny_gguf
@@ -133,79 +131,6 @@ def test_a_split_gguf_from_the_mirror_fetched_once_and_served_by_two_shards(
 
 
 # --- a throttled download and its progress ------------------------------------------------
-
-
-class ThrottlingProxy:
-    """A TCP proxy on loopback that passes the server's bytes at `rate` bytes a second."""
-
-    def __init__(self, upstream: tuple[str, int], rate: int) -> None:
-        self.upstream = upstream
-        self.rate = rate
-        self._stop = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.2)
-        self.port = int(self._listener.getsockname()[1])
-        self._threads: list[threading.Thread] = []
-        self._socks: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._spawn(self._accept)
-
-    def _spawn(self, target: Any, *args: Any) -> None:
-        t = threading.Thread(target=target, args=args, daemon=True)
-        with self._lock:
-            self._threads.append(t)
-        t.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.upstream, timeout=5)
-            except OSError:
-                client.close()
-                continue
-            for s in (client, server):
-                s.settimeout(0.2)
-            with self._lock:
-                self._socks += [client, server]
-            self._spawn(self._pump, client, server, None)
-            self._spawn(self._pump, server, client, self.rate)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, rate: int | None) -> None:
-        step = 0.05
-        chunk = 65536 if rate is None else max(1, int(rate * step))
-        try:
-            while not self._stop.is_set():
-                try:
-                    data = src.recv(chunk)
-                except TimeoutError:
-                    continue
-                if not data:
-                    break
-                dst.sendall(data)
-                if rate is not None:
-                    self._stop.wait(step)  # the throttle itself, not a wait for an event
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._listener.close()
-        with self._lock:
-            threads, socks = list(self._threads), list(self._socks)
-        for t in threads:
-            t.join(5)
-        for s in socks:
-            s.close()
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
