@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint fuzz bench clean
+.PHONY: demo test lint components fuzz bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check llmgw tests fuzz bench
 	$(BIN)/mypy
 
-test: lint
+# Debian packages some tests need (promtool, chromium), installed when missing and root.
+components:
+	scripts/components
+
+test: lint components
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
