@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 from llmgw.testing import engine_archive, tiny_gguf
 from llmgw.testing.cluster import LocalCluster, wait_for
 
@@ -68,6 +70,20 @@ def _engines_installed(cluster: LocalCluster, version: str) -> dict[str, str] | 
             if e["name"] == "llama-server" and e["version"] == version:
                 paths[node] = str(e["path"])
     return paths if set(paths) >= set(NODES) else None
+
+
+def _admin_page_nodes(cluster: LocalCluster) -> list[str]:
+    """Log in to the admin pages as a browser would; the nodes the cluster page lists."""
+    with httpx.Client(base_url=cluster.admin_url, timeout=10) as client:
+        client.post("/admin/login", data={"key": cluster.admin_key})
+        page = client.get("/admin/")
+    listed = [n for n in NODES if f'data-node="{n}"' in page.text]
+    if page.status_code != 200 or listed != list(NODES):
+        raise SystemExit(
+            f"the admin page {cluster.admin_url}/admin/ answered {page.status_code} "
+            f"listing {listed or 'no node'}, not {', '.join(NODES)}"
+        )
+    return listed
 
 
 def _wait_ready(cluster: LocalCluster, model: str) -> None:
@@ -166,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         if cluster.ctl("weights", "--help", check=False).returncode != 0:
             more = more.replace(" weights,", "")
         print(f"  {venv_bin / 'llmgw'} ctl nodes    # or {more}\n")
+        print("The admin pages, in a browser: log in with the admin key.\n")
+        print(f"  {cluster.admin_url}/admin/login    key: {cluster.admin_key}\n")
+        listed = _admin_page_nodes(cluster)
+        print(f"  (checked: the cluster page lists {', '.join(listed)})\n")
         print(f"Logs: {cluster.root}/*.log\n")
         print(f"llama-server {version} came from the mirror too: {archive.name},")
         print(f"sha256 {sha256},")

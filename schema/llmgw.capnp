@@ -290,7 +290,13 @@ interface Agent {
   startShard @0 (epoch :Int64, spec :ShardSpec) -> (shard :ShardReport);
   stopShard @1 (epoch :Int64, shardId :Text, graceS :Float64) -> ();
   drain @2 (epoch :Int64, shardId :Text) -> ();
-  logs @3 (shardId :Text, lines :Int32, follow :Bool, sink :LogSink) -> (tail :List(LogLine));
+  # shardId names a log source: "agent" (the agent's own log), a shard id (all of
+  # its processes), or "SHARD/PROCESS/stdout|stderr" (one of logSources). With
+  # follow, the agent answers the tail at once (following: true), then pushes
+  # new lines into sink as they arrive, sink.alive() after 2 s without one, each
+  # push bounded at 10 s, until a push fails (the caller went away) or the
+  # source ends (sink.done()). An agent that does not follow leaves following false.
+  logs @3 (shardId :Text, lines :Int32, follow :Bool, sink :LogSink) -> (tail :List(LogLine), following :Bool);
   # The agent checks every path again (llmgw.core.may_delete) before unlinking.
   # (Its results were (freedBytes, refused) before any agent implemented it.)
   reclaim @4 (epoch :Int64, paths :List(Text), dryRun :Bool) -> (result :Reclaimed);
@@ -298,9 +304,12 @@ interface Agent {
   engineCheck @6 (engine :Text, argv :List(Text)) -> (check :FlagCheck);
   # The declaration changed (server.yaml reloaded): converge on it.
   declareEngines @7 (epoch :Int64, engines :EngineDecls) -> ();
+  # What `logs` can read here: "agent", then SHARD/PROCESS/stdout|stderr per shard.
+  logSources @8 () -> (sources :List(Text));
 }
 
 interface LogSink {
   line @0 (line :LogLine) -> ();
   done @1 () -> ();
+  alive @2 () -> ();           # a keepalive: the follower is there, nothing new
 }

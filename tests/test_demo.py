@@ -50,6 +50,11 @@ def test_demo_shows_two_ready_nodes_and_stops(tmp_path: Path) -> None:
         ("demo-b", "ready"),
     ]
     assert "LLMGW_ADMIN_KEY" in done.stdout and "stopped" in done.stdout
+    # The admin page's URL and a login key are printed, and the demo logged in and saw
+    # both nodes on the cluster page.
+    key = (tmp_path / "demo" / "cp" / "admin.key").read_text().strip()
+    assert f"/admin/login    key: {key}" in done.stdout
+    assert "(checked: the cluster page lists demo-a, demo-b)" in done.stdout
     # A real llama-server, placed from the catalog, answered the printed curl to the router.
     assert "curl -s http://127.0.0.1:" in done.stdout and "/v1/chat/completions" in done.stdout
     # The reply the demo printed (`  -> 'text'`) is a non-empty completion, not only an arrow.

@@ -14,7 +14,7 @@ import trio
 
 from llmgw import config, model
 from llmgw._process import run_service, setup_logging
-from llmgw.agent import _packages
+from llmgw.agent import _logs, _packages
 from llmgw.agent._engines import Installer, PipTls, Placement
 from llmgw.agent._fetch import Fetcher
 from llmgw.agent._node import Node
@@ -100,6 +100,8 @@ async def serve(cfg: config.AgentConfig) -> None:
     _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     tls = _tls.client_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     make_weights_dir(cfg)
+    # Its own last lines, as written to stderr, for `logs` on the source "agent".
+    memory = _logs.install()
     node = Node(cfg)
     session: AgentSession | None = None
 
@@ -162,18 +164,20 @@ async def serve(cfg: config.AgentConfig) -> None:
     )
     node.llmgw_pids = supervisor.pids
     node.shard_pids = supervisor.shard_pids
+    servant = AgentServant(
+        node,
+        supervisor,
+        engine_paths=engine_paths,
+        in_flight=fetcher.in_flight,
+        declare=installer.declare,
+        path_of=installer.path_of,
+        memory=memory,
+    )
     session = AgentSession(
         node_id=cfg.node_id,
         addresses=cfg.addresses,
         tls=tls,
-        servant=AgentServant(
-            node,
-            supervisor,
-            engine_paths=engine_paths,
-            in_flight=fetcher.in_flight,
-            declare=installer.declare,
-            path_of=installer.path_of,
-        ),
+        servant=servant,
         hello_inventory=node.hello_inventory,
         heartbeat=node.heartbeat,
         shards=supervisor.reports,
@@ -191,6 +195,7 @@ async def serve(cfg: config.AgentConfig) -> None:
         # and discovery must know their pids to tell whose GPU memory is whose.
         await nursery.start(fetcher.run)
         await nursery.start(supervisor.run)
+        await nursery.start(servant.run)
         # Once per process: every reconnect registers with what is known.
         await node.discover()
         # After discovery: the variant and the package family come from the hardware.

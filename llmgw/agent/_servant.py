@@ -7,16 +7,26 @@ import logging
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import trio
 
 from llmgw import engines, model
-from llmgw.agent import _reclaim
+from llmgw.agent import _logs, _reclaim
 from llmgw.agent._node import Node
 from llmgw.agent._supervisor import Supervisor
-from llmgw.errors import StaleEpoch, UsageError
+from llmgw.errors import LlmgwError, StaleEpoch, UsageError
 
 log = logging.getLogger("llmgw.agent")
+
+
+class LogSink(Protocol):
+    """Where a follower pushes (llmgw.rpc `LogSinkHandle`); each call bounded by `deadline`."""
+
+    async def line(self, line: model.LogLine, *, deadline: float) -> None: ...
+    async def alive(self, *, deadline: float) -> None: ...
+    async def done(self, *, deadline: float) -> None: ...
+    def release(self) -> None: ...
 
 
 class AgentServant:
@@ -29,7 +39,10 @@ class AgentServant:
         in_flight: Callable[[], frozenset[str]] = frozenset,
         declare: Callable[[model.EngineDecls], None] = lambda decls: None,
         path_of: Callable[[str], str | None] = lambda engine: None,
+        memory: _logs.MemoryLog | None = None,
     ) -> None:
+        self._memory = memory  # the agent's own last lines (source "agent")
+        self._followers: trio.Nursery | None = None  # set by run()
         self._node = node
         self._supervisor = supervisor
         self._in_flight = in_flight  # cache names being fetched: reclaim leaves them
@@ -89,8 +102,92 @@ class AgentServant:
         self._fence(epoch)
         self._declare(decls)
 
-    async def logs(self, shard_id: str, lines: int) -> list[model.LogLine]:
-        return self._supervisor.tail(shard_id, max(1, min(lines, 1000)))
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Holds the followers `logs(follow=True)` starts; they end when this is cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._followers = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def log_sources(self) -> list[str]:
+        return [_logs.AGENT_SOURCE, *self._supervisor.log_sources()]
+
+    async def logs(
+        self, source: str, lines: int, follow: bool = False, sink: LogSink | None = None
+    ) -> list[model.LogLine]:
+        """The last `lines` lines of a source (see `log_sources`); with `follow`, the
+        lines that come after are pushed into `sink` by a follower (see `_follow`)."""
+        lines = max(1, min(lines, _logs.MEMORY_LINES))
+        if source == _logs.AGENT_SOURCE:
+            if self._memory is None:
+                raise UsageError("this agent keeps no log of its own in memory")
+            memory = self._memory
+            position, texts = memory.tail(lines)
+            tail = [model.LogLine(_logs.AGENT_SOURCE, text) for text in texts]
+
+            def read_memory() -> list[model.LogLine]:
+                nonlocal position
+                position, texts = memory.since(position)
+                return [model.LogLine(_logs.AGENT_SOURCE, text) for text in texts]
+
+            read, alive = read_memory, lambda: True
+        elif "/" not in source and not follow:
+            # A whole shard, failed and kept ones too, as `shard logs` reads it.
+            return self._supervisor.tail(source, lines)
+        else:
+            files = self._supervisor.log_files(source)
+            # Followers first, at the files' ends now: no line falls between tail and follow.
+            followers = [(label, _logs.FileFollower(path)) for label, path in files]
+            whole = "/" not in source
+            tail = (
+                self._supervisor.tail(source, lines)
+                if whole
+                else self._supervisor.tail_files(files, lines)
+            )
+
+            def read_files() -> list[model.LogLine]:
+                return [model.LogLine(label, t) for label, f in followers for t in f.read()]
+
+            shard_id = source.partition("/")[0]
+            read, alive = read_files, lambda: self._supervisor.has_shard(shard_id)
+        if follow:
+            if sink is None or self._followers is None:
+                raise UsageError(f"logs {source}: this agent cannot follow (no sink, not running)")
+            self._followers.start_soon(self._follow, source, sink, read, alive)
+        return tail
+
+    async def _follow(
+        self,
+        source: str,
+        sink: LogSink,
+        read: Callable[[], list[model.LogLine]],
+        alive: Callable[[], bool],
+    ) -> None:
+        """Push what `read` finds every POLL_S; `alive()` after KEEPALIVE_S of nothing.
+        Ends when a push fails or takes PUSH_DEADLINE_S (the reader went away, or its
+        control plane stopped answering), or with `done()` once the source is gone."""
+        deadline = _logs.PUSH_DEADLINE_S
+        quiet_since = trio.current_time()
+        try:
+            while True:
+                await trio.sleep(_logs.POLL_S)
+                ending = not alive()
+                lines = read()
+                for line in lines:
+                    await sink.line(line, deadline=deadline)
+                now = trio.current_time()
+                if ending:
+                    await sink.done(deadline=deadline)
+                    return
+                if lines:
+                    quiet_since = now
+                elif now - quiet_since >= _logs.KEEPALIVE_S:
+                    await sink.alive(deadline=deadline)
+                    quiet_since = now
+        except LlmgwError as exc:
+            log.debug("following %s ended: %s", source, exc)
+        finally:
+            sink.release()
 
     async def engine_check(self, engine: str, argv: Sequence[str]) -> model.FlagCheck:
         return await trio.to_thread.run_sync(self._engine_check, engine, tuple(argv))

@@ -680,6 +680,43 @@ class Supervisor:
                     out.append(model.LogLine(f"{spec.name}/{source}", line))
         return out
 
+    def log_sources(self) -> list[str]:
+        """Each shard process's outputs here, as `logs` names them: SHARD/PROCESS/STREAM."""
+        return [
+            f"{shard_id}/{spec.name}/{stream}"
+            for shard_id, shard in sorted(self._shards.items())
+            for spec in shard.spec.processes
+            for stream in ("stdout", "stderr")
+        ]
+
+    def log_files(self, source: str) -> list[tuple[str, Path]]:
+        """(LogLine.source, file) for a shard id (all its processes) or SHARD/PROCESS/STREAM."""
+        shard_id, _, rest = source.partition("/")
+        shard = self._shards.get(shard_id)
+        if shard is None:
+            raise NotFound(
+                f"no shard {shard_id} on {self._where()} "
+                "(`llmgw ctl logs NODE --sources` lists its log sources)"
+            )
+        files = [
+            (f"{spec.name}/{stream}", shard.dir / f"{spec.name}.{stream}.log")
+            for spec in shard.spec.processes
+            for stream in ("stdout", "stderr")
+        ]
+        if not rest:
+            return files
+        chosen = [f for f in files if f[0] == rest]
+        if not chosen:
+            known = ", ".join(f"{shard_id}/{label}" for label, _ in files)
+            raise NotFound(f"no log source {source!r} on {self._where()}; known: {known}")
+        return chosen
+
+    def tail_files(self, files: list[tuple[str, Path]], lines: int) -> list[model.LogLine]:
+        return [model.LogLine(label, line) for label, path in files for line in _tail(path, lines)]
+
+    def has_shard(self, shard_id: str) -> bool:
+        return shard_id in self._shards
+
     # recovery ------------------------------------------------------------------------
 
     def _recover(self) -> None:

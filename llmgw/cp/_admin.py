@@ -23,13 +23,20 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmgw import config, engines, model
-from llmgw.cp import _holdings
+from llmgw.cp import _holdings, _node_logs
 from llmgw.cp._catalog_file import CatalogFile
 from llmgw.cp._events import Event, Failure
 from llmgw.cp._reconciler import Reconciler, Unplaced
 from llmgw.cp._registry import FetchProgress, NodeRecord, NodeRegistry
 from llmgw.cp._shards import manual_shard, ports_taken
-from llmgw.errors import ConfigError, LlmgwError, NotFound, PeerError, UsageError
+from llmgw.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    LlmgwError,
+    NotFound,
+    PeerError,
+    UsageError,
+)
 from llmgw.router import HttpError as RouterHttpError
 from llmgw.router._keys import ApiKey, KeyStore
 from llmgw.rpc import AgentHandle
@@ -102,6 +109,8 @@ class AdminApp:
         self._reconciler = reconciler
         self._catalog = catalog
         self._digest = _digest(admin_key)
+        # The admin pages (llmgw/cp/_pages) under /admin, set by the caller (llmgw/cp/_main.py).
+        self.pages: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None
         self._routes: list[tuple[str, re.Pattern[str], Handler]] = [
             ("GET", re.compile(r"^/api/v1/nodes$"), self._nodes),
             ("POST", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/shards$"), self._shard_start),
@@ -115,6 +124,8 @@ class AdminApp:
                 re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/shards/(?P<shard>[^/]+)/logs$"),
                 self._shard_logs,
             ),
+            ("GET", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/logs$"), self._node_logs),
+            ("GET", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/log-sources$"), self._log_sources),
             ("POST", re.compile(r"^/api/v1/engine-check$"), self._engine_check),
             ("GET", re.compile(r"^/api/v1/models$"), self._models),
             ("GET", re.compile(r"^/api/v1/replicas$"), self._replicas),
@@ -128,6 +139,7 @@ class AdminApp:
             ("DELETE", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/cordon$"), self._uncordon),
             ("POST", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/drain$"), self._drain),
             ("DELETE", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)$"), self._forget),
+            ("GET", re.compile(r"^/api/v1/nodes/(?P<node>[^/]+)/history$"), self._history),
             ("GET", re.compile(r"^/api/v1/keys$"), self._keys_list),
             ("POST", re.compile(r"^/api/v1/keys$"), self._keys_create),
             ("DELETE", re.compile(r"^/api/v1/keys/(?P<key_id>[^/]+)$"), self._keys_revoke),
@@ -155,6 +167,9 @@ class AdminApp:
             )
             await send({"type": "http.response.body", "body": page})
             return
+        if self.pages is not None and (path == "/admin" or path.startswith("/admin/")):
+            await self.pages(scope, receive, send)  # its own login: a cookie, not a Bearer key
+            return
         if not path.startswith("/api/"):
             await _error(send, 404, f"no such page: {path}")
             return
@@ -179,6 +194,9 @@ class AdminApp:
                     return
                 except PeerError as exc:
                     await _error(send, 502, f"the agent answered: {exc}")
+                    return
+                if isinstance(result, _node_logs.Follow):  # a stream, after its first reply
+                    await result.run(receive, send)
                     return
                 await _json(send, status, result)
                 return
@@ -261,7 +279,29 @@ class AdminApp:
             tail = await agent.logs(shard, lines)
         except NotFound:
             raise HttpError(404, self._gone(node, shard)) from None
+        except DeadlineExceeded:
+            raise HttpError(504, _node_logs.silent(node, agent.deadline_of("logs"))) from None
         return 200, {"lines": [config.unstructure(line) for line in tail]}
+
+    async def _node_logs(self, node: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
+        """The tail of a log source on the node (default: the agent's own); `follow=1`
+        streams what comes after it (llmgw/cp/_node_logs.py)."""
+        _rec, agent = self._connected(node)
+        source, lines = query.get("source") or "agent", _node_logs.lines_of(query)
+        try:
+            if query.get("follow") in ("1", "true"):
+                return 200, await _node_logs.Follow.open(node, agent, source, lines)
+            tail = await agent.logs(source, lines)
+        except DeadlineExceeded:
+            raise HttpError(504, _node_logs.silent(node, agent.deadline_of("logs"))) from None
+        return 200, {"source": source, "lines": [config.unstructure(line) for line in tail]}
+
+    async def _log_sources(self, node: str, **_: Any) -> tuple[int, Any]:
+        _rec, agent = self._connected(node)
+        try:
+            return 200, {"sources": await agent.log_sources()}
+        except DeadlineExceeded:
+            raise HttpError(504, _node_logs.silent(node, agent.deadline_of("logSources"))) from None
 
     def _gone(self, node: str, shard: str) -> str:
         """One line: the shard is not there, and what became of it if that is known."""
@@ -599,6 +639,16 @@ class AdminApp:
             )
         was = self._registry.forget(node)  # NotFound (404) when it is not known at all
         return 200, {"forgotten": node, "was": was}
+
+    async def _history(self, node: str, **_: Any) -> tuple[int, Any]:
+        """The node's last hour (llmgw/cp/_history.py); null where nothing was reported."""
+        history = self._registry.history
+        if history is None:
+            raise HttpError(404, "this control plane keeps no node history")
+        view = history.view(node)
+        if view is None:
+            raise HttpError(404, f"no node {node!r} has a history here: it has not registered")
+        return 200, view
 
     # API keys ---------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import hypercorn.config
 import hypercorn.trio
+import prometheus_client
 import trio
 
 from llmgw import config, core
@@ -19,7 +20,10 @@ from llmgw.cp import _catalog, _catalog_file, _engines
 from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
 from llmgw.cp._catalog_file import CatalogFile
 from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
+from llmgw.cp._fleet_metrics import FleetCollector
+from llmgw.cp._history import History
 from llmgw.cp._mirror import ManifestCache, serve_mirror
+from llmgw.cp._pages import api_client, make_pages
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
 from llmgw.cp._sizes import SourceSizes
@@ -99,6 +103,7 @@ async def serve(
     registry = NodeRegistry(_policy(cfg), forget_after_s=cfg.forget_after_s)
     registry.load_overrides(cfg.state_dir / "overrides.json")
     registry.load_known(cfg.state_dir / "known_nodes.json")  # whom a restart waits for
+    registry.history = history = History()  # each node's last hour, one sample a heartbeat
     registry.engines = catalog.engines  # before the RPC listener: every registration has it
     log.info("engines: %s", _engines.describe(catalog.engines))
     catalog.on_engines = registry.declare_engines
@@ -153,6 +158,22 @@ async def serve(
 
     if cfg.router_listen is not None:  # else no requests pass here: in flight is unknown
         reconciler.in_flight = in_flight
+
+    def queue_depth(node: str, replica: str) -> tuple[float | None, float | None] | None:
+        """The engine's running and waiting requests as the router last scraped them."""
+        state = router.endpoint_states().get(endpoint_id(replica, node))
+        if state is None or state.scraped_at is None:
+            return None
+        if trio.current_time() - state.scraped_at > router.score_config().stale_after_s:
+            return None  # the scorer counts it as unknown; so does the history
+        return state.running, state.waiting
+
+    history.queue = queue_depth
+    # Fleet metrics (issue 14) beside the router's, computed at each scrape; no `_created`.
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+    router.metrics_registry.register(
+        FleetCollector(registry, reconciler=reconciler, catalog=lambda: catalog.catalog)
+    )
     admin = AdminApp(
         registry,
         admin_key,
@@ -162,6 +183,7 @@ async def serve(
         metrics=router.metrics_registry,
         router=router if cfg.router_listen is not None else None,
     )
+    admin.pages = make_pages(api_client(admin, admin_key), admin_key, mirror_dir=cfg.mirror.dir)
     rpc_host, rpc_port = config.split_host_port(cfg.rpc_listen)
 
     hc = hypercorn.config.Config()

@@ -23,6 +23,7 @@ import trio
 from llmgw import core, model
 from llmgw.cp import _engines
 from llmgw.cp._events import EventLog
+from llmgw.cp._history import History
 from llmgw.errors import ConfigError, NotFound, RegistrationRefused, UsageError
 from llmgw.rpc import AgentHandle, PeerInfo, SessionServant
 
@@ -156,6 +157,8 @@ class NodeRegistry:
         self.events = EventLog(clock=clock, wall=wall)
         # node -> source -> its fetch's progress, least recently updated first.
         self._progress: dict[str, OrderedDict[str, FetchProgress]] = {}
+        # Each node's last hour (llmgw/cp/_history.py): a sample per heartbeat; None: none kept.
+        self.history: History | None = None
 
     def __repr__(self) -> str:
         return f"<NodeRegistry {self.statistics()}>"
@@ -222,6 +225,8 @@ class NodeRegistry:
         was = "not registered since this start" if rec is None else rec.liveness.state.value
         self._nodes.pop(node_id, None)
         self._progress.pop(node_id, None)
+        if self.history is not None:
+            self.history.forget(node_id)
         if node_id in self.known:
             self.known.discard(node_id)
             self._save_known()  # now, not on the next tick: a restart must not wait for it
@@ -323,6 +328,8 @@ class NodeRegistry:
             registered_at=now,
         )
         self._nodes[hello.node_id] = rec
+        if self.history is not None:
+            self.history.record(hello.node_id, hello.inventory.usage, hello.shards)
         if hello.node_id not in self.known:
             self.known.add(hello.node_id)
             self._known_dirty = True  # written on the next tick: a storm writes it once
@@ -430,6 +437,8 @@ class NodeRegistry:
         if beat.warnings is not None:
             changes["warnings"] = beat.warnings
         rec.inventory = attrs.evolve(inv, **changes)  # type: ignore[arg-type]
+        if self.history is not None:
+            self.history.record(node_id, beat.usage, rec.shards)
         self._apply(rec, core.HeartbeatSeen(self._clock()))
 
     def on_shard_status(self, node_id: str, generation: int, shard: model.ShardReport) -> None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import httpx
 
@@ -96,6 +96,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.add_argument("shard")
     logs.add_argument("--lines", type=int, default=40)
     logs.set_defaults(func=_shard_logs)
+
+    node_logs = sub.add_parser(
+        "logs",
+        help="a node's logs: the agent's own (default) or a shard process's; -f follows",
+        description="Sources: `agent` (the agent's last 2,000 lines, kept in memory), a "
+        "shard id (all its processes), or SHARD/PROCESS/stdout|stderr; the node lists "
+        "them (GET /api/v1/nodes/NODE/log-sources, and `--sources`).",
+    )
+    node_logs.add_argument("node")
+    node_logs.add_argument("--source", default="agent")
+    node_logs.add_argument("-n", "--lines", type=int, default=40)
+    node_logs.add_argument("-f", "--follow", action="store_true", help="print new lines")
+    node_logs.add_argument("--sources", action="store_true", help="list the node's log sources")
+    node_logs.set_defaults(func=_node_logs)
 
     models = sub.add_parser("models", help="the catalog's models")
     models.add_argument("--json", action="store_true")
@@ -266,6 +280,61 @@ def api(args: argparse.Namespace, method: str, route: str, body: Any = None) -> 
             message = response.text[:200]
         raise CtlError(f"{route}: {response.status_code}: {message}")
     return response.json()
+
+
+def _node_logs(args: argparse.Namespace) -> int:
+    node = quote(args.node, safe="")
+    if args.sources:
+        for source in api_get(args, f"/api/v1/nodes/{node}/log-sources")["sources"]:
+            print(source)
+        return 0
+    query = urlencode({"source": args.source, "lines": args.lines})
+    route = f"/api/v1/nodes/{node}/logs?{query}"
+    # One stream (the agent, or one process's output) prints as it is; a whole shard's
+    # lines say which process wrote them.
+    one = args.source == "agent" or args.source.count("/") == 2
+
+    def show(line: dict[str, Any]) -> None:
+        print(line["text"] if one else f"{line['source']}: {line['text']}", flush=True)
+
+    if not args.follow:
+        for line in api_get(args, route)["lines"]:
+            show(line)
+        return 0
+    url, key = _settings(args)
+    # The control plane sends a keepalive line at least every few seconds while the
+    # agent answers, and ends the stream itself when the agent stops answering.
+    timeout = httpx.Timeout(30.0, connect=10.0)
+    try:
+        with httpx.stream(
+            "GET", url + route + "&follow=1", headers={"Authorization": f"Bearer {key}"},
+            timeout=timeout,
+        ) as response:  # fmt: skip
+            if response.status_code >= 400:
+                response.read()
+                try:
+                    message = response.json()["error"]["message"]
+                except Exception:
+                    message = response.text[:200]
+                raise CtlError(f"{route}: {response.status_code}: {message}")
+            for raw in response.iter_lines():
+                if not raw.strip():
+                    continue
+                item = json.loads(raw)
+                if "error" in item:
+                    raise CtlError(str(item["error"]))
+                if "end" in item:
+                    print(f"llmgw ctl: {item['end']}", file=sys.stderr)
+                    return 0
+                if "text" in item:
+                    show(item)
+    except KeyboardInterrupt:  # Ctrl-C: the way a follow ends
+        return 130
+    except httpx.TimeoutException:
+        raise CtlError(f"the control plane at {url} sent nothing for 30 s") from None
+    except httpx.HTTPError as exc:
+        raise CtlError(f"following logs from the control plane at {url}: {exc}") from None
+    raise CtlError(f"the control plane at {url} ended the stream of {args.source} unexplained")
 
 
 def _shard_start(args: argparse.Namespace) -> int:

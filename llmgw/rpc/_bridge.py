@@ -71,6 +71,7 @@ AGENT_CALLS = frozenset(
         "reclaim",
         "engineCheck",
         "declareEngines",
+        "logSources",
     }
 )
 _DEFAULT_PER_CALL: Mapping[str, float] = {
@@ -839,7 +840,7 @@ class RegistryHandle(_Handle):
             conn = bridge._conns.get(conn_id)
             request = registry.register_request()
             _codec.encode(hello, request.hello)
-            request.agent = _AgentImpl(bridge, agent)
+            request.agent = _AgentImpl(bridge, agent, conn)
             response = await request.send()
             settings = _codec.decode(model.Settings, response.settings)
             return bridge._keep(response.session, conn), settings
@@ -882,6 +883,75 @@ class SessionHandle(_Handle):
             await request.send()
 
         await bridge.run(progress_, what="progress", deadline=deadline)
+
+
+class _SinkInbox:
+    """The trio end of a `LogSink` the control plane serves: what arrives goes into a
+    channel (None: a keepalive); a closed reader makes the agent's next push fail."""
+
+    def __init__(self, send: trio.MemorySendChannel[model.LogLine | None]) -> None:
+        self._send = send
+
+    async def line(self, line: model.LogLine) -> None:
+        await self._send.send(line)
+
+    async def alive(self) -> None:
+        await self._send.send(None)
+
+    async def done(self) -> None:
+        self._send.close()
+
+
+class LogStream:
+    """What a followed source pushes, line by line; None is a keepalive. Ends when the
+    agent says the source ended; raises `DeadlineExceeded` after `silence_s` of nothing."""
+
+    def __init__(
+        self, receive: trio.MemoryReceiveChannel[model.LogLine | None], silence_s: float
+    ) -> None:
+        self._receive = receive
+        self.silence_s = silence_s
+
+    def __aiter__(self) -> LogStream:
+        return self
+
+    async def __anext__(self) -> model.LogLine | None:
+        with trio.move_on_after(self.silence_s):
+            try:
+                return await self._receive.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                raise StopAsyncIteration from None
+        raise DeadlineExceeded(f"the agent did not answer in {self.silence_s:g} s")
+
+
+class LogSinkHandle(_Handle):
+    """The agent's hold on a control plane's `LogSink` (a follower pushes into it)."""
+
+    async def line(self, line: model.LogLine, *, deadline: float) -> None:
+        bridge = self._bridge
+
+        async def line_() -> None:
+            request = bridge._cap(self._cap_id, "line").line_request()
+            _codec.encode(line, request.line)
+            await request.send()
+
+        await bridge.run(line_, what="line", deadline=deadline)
+
+    async def alive(self, *, deadline: float) -> None:
+        bridge = self._bridge
+
+        async def alive() -> None:
+            await bridge._cap(self._cap_id, "alive").alive()
+
+        await bridge.run(alive, what="alive", deadline=deadline)
+
+    async def done(self, *, deadline: float) -> None:
+        bridge = self._bridge
+
+        async def done() -> None:
+            await bridge._cap(self._cap_id, "done").done()
+
+        await bridge.run(done, what="done", deadline=deadline)
 
 
 class AgentHandle(_Handle):
@@ -942,6 +1012,53 @@ class AgentHandle(_Handle):
             return [_codec.decode(model.LogLine, line) for line in response.tail]
 
         return await self._call("logs", logs)
+
+    async def log_sources(self) -> list[str]:
+        bridge = self._bridge
+
+        async def log_sources() -> list[str]:
+            response = await bridge._cap(self._cap_id, "logSources").logSources()
+            return [str(s) for s in response.sources]
+
+        return await self._call("logSources", log_sources)
+
+    @contextlib.asynccontextmanager
+    async def follow_logs(
+        self, source: str, lines: int, *, silence_s: float | None = None
+    ) -> AsyncIterator[tuple[list[model.LogLine], LogStream]]:
+        """`logs` with follow: the tail (under the `logs` deadline), then a `LogStream`
+        of what the agent pushes after it, until this context exits (the sink then
+        refuses, and the agent's follower ends). The stream raises `DeadlineExceeded`
+        after `silence_s` (default: the `logs` deadline) with neither a line nor a
+        keepalive: the agent sends one every 2 s while it is there."""
+        bridge = self._bridge
+        send, receive = trio.open_memory_channel[model.LogLine | None](256)
+        inbox = _SinkInbox(send)
+
+        async def logs() -> tuple[list[model.LogLine], bool]:
+            request = bridge._cap(self._cap_id, "logs").logs_request()
+            request.shardId = source
+            request.lines = lines
+            request.follow = True
+            request.sink = _LogSinkImpl(bridge, inbox)
+            response = await request.send()
+            tail = [_codec.decode(model.LogLine, line) for line in response.tail]
+            return tail, bool(response.following)
+
+        with receive:
+            try:
+                tail, following = await self._call("logs", logs)
+            except BaseException:
+                send.close()
+                raise
+            if not following:  # an agent older than following
+                send.close()
+            # Never shorter than a few keepalives (the agent sends one every 2 s).
+            silence = silence_s if silence_s is not None else max(5.0, bridge.deadlines.of("logs"))
+            yield tail, LogStream(receive, silence)
+
+    def deadline_of(self, call: str) -> float:
+        return self._bridge.deadlines.of(call)
 
     async def reclaim(self, epoch: int, paths: tuple[str, ...], dry_run: bool) -> model.Reclaimed:
         bridge = self._bridge
@@ -1051,10 +1168,40 @@ class _SessionImpl(schema.NodeSession.Server):  # type: ignore[misc]
         raise capnp.KjException(message)
 
 
+class _LogSinkImpl(schema.LogSink.Server):  # type: ignore[misc]
+    def __init__(self, bridge: CapnpThread, inbox: _SinkInbox) -> None:
+        self._bridge = bridge
+        self._inbox = inbox
+
+    async def line_context(self, context: Any) -> None:
+        line = _codec.decode(model.LogLine, context.params.line)
+        await self._call(self._inbox.line, line)
+
+    async def alive_context(self, context: Any) -> None:
+        await self._call(self._inbox.alive)
+
+    async def done_context(self, context: Any) -> None:
+        await self._call(self._inbox.done)
+
+    async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        message = None
+        try:
+            await self._bridge.to_trio(fn, *args)
+            return
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            message = _encode_error(Disconnected("the reader of these logs went away"))
+        except Exception as exc:
+            message = _encode_error(exc)
+        raise capnp.KjException(message)
+
+
 class _AgentImpl(schema.Agent.Server):  # type: ignore[misc]
-    def __init__(self, bridge: CapnpThread, servant: AgentServant) -> None:
+    def __init__(
+        self, bridge: CapnpThread, servant: AgentServant, conn: _Conn | None = None
+    ) -> None:
         self._bridge = bridge
         self._servant = servant
+        self._conn = conn
 
     async def _call(self, name: str, *args: Any) -> Any:
         fn = getattr(self._servant, name, None)
@@ -1086,10 +1233,25 @@ class _AgentImpl(schema.Agent.Server):  # type: ignore[misc]
         await self._call("drain")
 
     async def logs_context(self, context: Any) -> None:
-        lines = await self._call("logs", context.params.shardId, context.params.lines)
+        params = context.params
+        if params.follow:
+            bridge = self._bridge
+            sink = LogSinkHandle(bridge, bridge._keep(params.sink, self._conn))
+            try:
+                lines = await self._call("logs", params.shardId, params.lines, True, sink)
+            except BaseException:
+                sink.release()
+                raise
+            context.results.following = True
+        else:
+            lines = await self._call("logs", params.shardId, params.lines)
         tail = context.results.init("tail", len(lines))
         for i, line in enumerate(lines):
             _codec.encode(line, tail[i])
+
+    async def logSources_context(self, context: Any) -> None:
+        sources = await self._call("log_sources")
+        context.results.sources = list(sources)
 
     async def reclaim_context(self, context: Any) -> None:
         params = context.params

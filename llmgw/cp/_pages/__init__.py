@@ -1,0 +1,5 @@
+"""The admin pages under `/admin` on the admin listener (quart-trio)."""
+
+from llmgw.cp._pages._app import COOKIE, Sessions, api_client, make_pages
+
+__all__ = ["COOKIE", "Sessions", "api_client", "make_pages"]
