@@ -28,6 +28,7 @@ from llmgw.rpc import CapnpThread, _tls
 log = logging.getLogger("llmgw.agent")
 
 DEFAULT_CONFIG = "/etc/llmgw/agent.yaml"
+EPOCH_FILE = "epoch"  # in state_dir: the newest leader epoch seen (llmgw/agent/_servant.py)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +173,13 @@ async def serve(cfg: config.AgentConfig) -> None:
         declare=installer.declare,
         path_of=installer.path_of,
         memory=memory,
+        epoch_path=cfg.state_dir / EPOCH_FILE,
     )
+
+    def on_registered(settings: model.Settings) -> None:
+        servant.saw_epoch(settings.epoch)  # kept: a restart still refuses an older leader
+        installer.declare(settings.engines)
+
     session = AgentSession(
         node_id=cfg.node_id,
         addresses=cfg.addresses,
@@ -183,7 +190,7 @@ async def serve(cfg: config.AgentConfig) -> None:
         shards=supervisor.reports,
         backoff=Backoff(cfg.reconnect_initial_s, cfg.reconnect_max_s),
         cert_path=cfg.tls.cert,
-        on_registered=lambda settings: installer.declare(settings.engines),
+        on_registered=on_registered,
     )
     log.info(
         "agent %s starting; control planes: %s",

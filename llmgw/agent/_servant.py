@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import trio
@@ -15,7 +17,7 @@ from llmgw import engines, model
 from llmgw.agent import _logs, _reclaim
 from llmgw.agent._node import Node
 from llmgw.agent._supervisor import Supervisor
-from llmgw.errors import LlmgwError, StaleEpoch, UsageError
+from llmgw.errors import ConfigError, LlmgwError, StaleEpoch, UsageError
 
 log = logging.getLogger("llmgw.agent")
 
@@ -40,6 +42,7 @@ class AgentServant:
         declare: Callable[[model.EngineDecls], None] = lambda decls: None,
         path_of: Callable[[str], str | None] = lambda engine: None,
         memory: _logs.MemoryLog | None = None,
+        epoch_path: Path | None = None,
     ) -> None:
         self._memory = memory  # the agent's own last lines (source "agent")
         self._followers: trio.Nursery | None = None  # set by run()
@@ -49,7 +52,17 @@ class AgentServant:
         self._engine_paths = dict(engine_paths or {})  # as the supervisor resolves them
         self._declare = declare  # the engine installer's
         self._path_of = path_of  # what the installer installed and proved, by engine
-        self.newest_epoch = 0
+        # The newest leader epoch seen, kept in the state dir (`epoch_path`) so that a
+        # restarted agent still refuses a deposed leader's commands.
+        self._epoch_path = epoch_path
+        self.newest_epoch = read_epoch(epoch_path) if epoch_path is not None else 0
+
+    def saw_epoch(self, epoch: int) -> None:
+        """A leader's epoch (its registration's Settings, or a command's): kept if newer."""
+        if epoch > self.newest_epoch:
+            self.newest_epoch = epoch
+            if self._epoch_path is not None:
+                write_epoch(self._epoch_path, epoch)
 
     def _fence(self, epoch: int) -> None:
         if epoch < self.newest_epoch:
@@ -59,7 +72,7 @@ class AgentServant:
                 f"command from epoch {epoch} refused: epoch {self.newest_epoch} has been "
                 "seen, so it came from a control plane that is no longer the leader"
             )
-        self.newest_epoch = epoch
+        self.saw_epoch(epoch)
 
     async def inventory(self) -> model.Inventory:
         return await trio.to_thread.run_sync(self._node.collect_inventory)
@@ -222,3 +235,33 @@ class AgentServant:
             return model.FlagCheck(engine, path, warnings=("--help printed nothing usable",))
         result = engines.check_flags(help_text, argv)
         return model.FlagCheck(engine, path, tuple(result.missing), tuple(result.warnings))
+
+
+def read_epoch(path: Path) -> int:
+    """The epoch kept at `path`; 0 when there is none yet. One that cannot be read
+    ends the agent with a line naming the file: starting from 0 would obey a deposed
+    leader."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the newest epoch seen: {exc.strerror}") from None
+    value = text.strip()
+    if not value.isdigit():
+        raise ConfigError(
+            f"{path}: holds {value[:40]!r}, not an epoch; remove it only if no deposed "
+            "control plane may still send commands"
+        )
+    return int(value)
+
+
+def write_epoch(path: Path, epoch: int) -> None:
+    """Written whole and renamed, and synced: a crash leaves the old epoch or the new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{epoch}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
