@@ -7,11 +7,14 @@ tests/ is on sys.path under pytest (rootdir conftest, no package), so
 from __future__ import annotations
 
 import contextlib
+import functools
+import http.server
 import os
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -277,3 +280,28 @@ class ThrottlingProxy:
             t.join(5)
         for s in socks:
             s.close()
+
+
+class _QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def slow_file_server(root: Path, rate: int) -> Iterator[ThrottlingProxy]:
+    """A plain HTTP file server for `root` on loopback, behind a ThrottlingProxy passing
+    `rate` bytes a second: a slow download whose source is `http://127.0.0.1:<port>/…`."""
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_QuietFiles, directory=str(root))
+    )
+    server.daemon_threads = True
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    proxy = ThrottlingProxy(("127.0.0.1", int(server.server_address[1])), rate)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+        server.shutdown()
+        server.server_close()
+        serving.join(5)

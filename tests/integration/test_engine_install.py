@@ -20,20 +20,17 @@ declaration, proven, reported, and run; never taken from PATH.
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import os
 import platform
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from helpers import ThrottlingProxy, llama_server_binary
+from helpers import llama_server_binary, slow_file_server
 
 from llmgw.testing import engine_archive, fake_engine, fake_nvidia_smi, fake_wheel, tiny_gguf
 from llmgw.testing.cluster import LocalCluster, wait_for
@@ -221,31 +218,13 @@ def test_a_wrong_sha256_is_refused_named_and_nothing_is_installed(
 # --- placement refuses a node mid-download ----------------------------------------------------
 
 
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def throttled(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     """A plain HTTP file server behind a throttling proxy (1 MiB/s): (its root, the proxy's port)."""
-
     root = tmp_path / "files"
     root.mkdir()
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root))
-    )
-    server.daemon_threads = True
-    serving = threading.Thread(target=server.serve_forever, daemon=True)
-    serving.start()
-    proxy = ThrottlingProxy(("127.0.0.1", int(server.server_address[1])), 1 << 20)
-    try:
+    with slow_file_server(root, 1 << 20) as proxy:
         yield root, proxy.port
-    finally:
-        proxy.close()
-        server.shutdown()
-        server.server_close()
-        serving.join(5)
 
 
 def test_placement_refuses_a_node_still_downloading_with_its_words(

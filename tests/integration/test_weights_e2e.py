@@ -7,12 +7,9 @@ answered request, in cp.log) counts the downloads.
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import os
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import ThrottlingProxy, llama_server_binary
+from helpers import ThrottlingProxy, llama_server_binary, slow_file_server
 
 from llmgw.core import MARKER, cache_name, is_cache_name
 from llmgw.testing import fake_engine, tiny_gguf
@@ -133,30 +130,13 @@ def test_a_split_gguf_from_the_mirror_fetched_once_and_served_by_two_shards(
 # --- a throttled download and its progress ------------------------------------------------
 
 
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def throttled_files(tmp_path: Path) -> Iterator[tuple[Path, ThrottlingProxy]]:
     """A plain HTTP file server on loopback behind a throttling proxy (256 KiB/s)."""
     root = tmp_path / "files"
     root.mkdir()
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root))
-    )
-    server.daemon_threads = True
-    serving = threading.Thread(target=server.serve_forever, daemon=True)
-    serving.start()
-    proxy = ThrottlingProxy(("127.0.0.1", int(server.server_address[1])), 256 * 1024)
-    try:
+    with slow_file_server(root, 256 * 1024) as proxy:
         yield root, proxy
-    finally:
-        proxy.close()
-        server.shutdown()
-        server.server_close()
-        serving.join(5)
 
 
 def _replicas(cluster: LocalCluster) -> list[dict[str, Any]]:

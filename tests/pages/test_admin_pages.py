@@ -7,13 +7,10 @@ in llmgw/cp/_pages (selectors `tr[data-node]`, `svg[data-chart]`, `#log`, ...).
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import os
 import re
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from helpers import ThrottlingProxy, require
+from helpers import ThrottlingProxy, require, slow_file_server
 
 from llmgw.testing import fake_engine, fake_nvidia_smi
 from llmgw.testing.browser import BrowserError, Page, open_browser
@@ -415,30 +412,13 @@ async def test_keys_can_be_created_shown_once_and_revoked(fleet: Fleet, tmp_path
 # --- the replicas page during a throttled download ---------------------------------------
 
 
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def throttled_files(tmp_path: Path) -> Iterator[tuple[Path, ThrottlingProxy]]:
     """A plain HTTP file server on loopback behind a throttling proxy (256 KiB/s)."""
     root = tmp_path / "files"
     root.mkdir()
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root))
-    )
-    server.daemon_threads = True
-    serving = threading.Thread(target=server.serve_forever, daemon=True)
-    serving.start()
-    proxy = ThrottlingProxy(("127.0.0.1", int(server.server_address[1])), 256 * 1024)
-    try:
+    with slow_file_server(root, 256 * 1024) as proxy:
         yield root, proxy
-    finally:
-        proxy.close()
-        server.shutdown()
-        server.server_close()
-        serving.join(5)
 
 
 async def test_replicas_page_shows_a_progress_bar_during_a_throttled_download(
