@@ -28,25 +28,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import re
 import shutil
 import signal
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
-import trio
 
+from llmgw.agent._run import run_bounded
 from llmgw.errors import LlmgwError
 
 log = logging.getLogger("llmgw.agent.ldd")
-
-_KEEP = 64 << 10
 
 
 class ProofError(LlmgwError):
@@ -142,37 +138,6 @@ def problems(ldd_output: str, family: str | None = None) -> list[LibraryProblem]
     return out
 
 
-async def _run(
-    argv: list[str], timeout_s: float, env: Mapping[str, str] | None
-) -> tuple[int | None, str]:
-    """(exit status, None past the deadline; stdout and stderr together); OSError if not started."""
-    proc = await trio.lowlevel.open_process(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=dict(env) if env is not None else None,
-        start_new_session=True,
-    )
-    kept = bytearray()
-    assert proc.stdout is not None
-    try:
-        with trio.move_on_after(timeout_s) as deadline:
-            while chunk := await proc.stdout.receive_some(1 << 16):
-                if len(kept) < _KEEP:
-                    kept += chunk[: _KEEP - len(kept)]
-            await proc.wait()
-    finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with trio.CancelScope(shield=True):
-                await proc.wait()
-        await proc.stdout.aclose()
-    status = None if deadline.cancelled_caught else proc.returncode
-    return status, kept.decode(errors="replace")
-
-
 def _lines(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
@@ -186,7 +151,7 @@ async def check(
         log.info("no ldd on PATH: the libraries of %s are not checked", binary)
         return None
     try:
-        status, output = await _run([ldd, str(binary)], timeout_s, None)
+        status, output = await run_bounded([ldd, str(binary)], timeout_s)
     except OSError as exc:
         log.warning("ldd %s could not be run: %s", binary, exc)
         return None
@@ -211,7 +176,7 @@ async def prove_version(
     """The first non-empty line of `<binary> --version` once it exits 0 in time; else ProofError."""
     what = f"{binary} --version"
     try:
-        status, output = await _run([str(binary), "--version"], timeout_s, env)
+        status, output = await run_bounded([str(binary), "--version"], timeout_s, env=env)
     except OSError as exc:
         raise ProofError(f"{what} could not be run: {exc.strerror or exc}") from None
     lines = _lines(output)

@@ -28,18 +28,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import re
 import shutil
-import signal
-import subprocess
 from collections.abc import Callable, Mapping, Sequence
 
 import trio
 
+from llmgw.agent._run import run_bounded
 from llmgw.errors import LlmgwError
 
 log = logging.getLogger("llmgw.agent.packages")
@@ -78,7 +76,6 @@ _LOCK_LINES = {
     "suse": re.compile(r"System management is locked by the application with pid"),
 }
 _ERROR_LINE = re.compile(r"^(?:E:|Error:|ERROR:)")
-_KEEP = 64 << 10
 
 
 class PackageError(LlmgwError):
@@ -204,33 +201,7 @@ class PackageInstaller:
 
     async def _run(self, argv: list[str]) -> tuple[int | None, str]:
         try:
-            proc = await trio.lowlevel.open_process(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=self._env,
-                start_new_session=True,
-            )
+            # The tail: a package manager's last lines say why it failed.
+            return await run_bounded(argv, self.timeout_s, env=self._env, keep="tail")
         except OSError as exc:
             raise PackageError(f"{argv[0]} could not be run: {exc.strerror or exc}") from None
-        kept = bytearray()
-        assert proc.stdout is not None
-        try:
-            with trio.move_on_after(self.timeout_s) as deadline:
-                while chunk := await proc.stdout.receive_some(1 << 16):
-                    kept += chunk
-                    del kept[
-                        : max(0, len(kept) - _KEEP)
-                    ]  # the last lines are the ones that say why
-                await proc.wait()
-        finally:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                with trio.CancelScope(shield=True):
-                    await proc.wait()
-            await proc.stdout.aclose()
-        return (None if deadline.cancelled_caught else proc.returncode), kept.decode(
-            errors="replace"
-        )
