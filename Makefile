@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check llmgw tests fuzz bench
 	$(BIN)/mypy
 
-# Debian packages some tests need (promtool, chromium), installed when missing and root.
+# Debian packages some tests need (promtool, chromium, postgresql), installed when missing and root.
 components:
 	scripts/components
 

@@ -305,3 +305,111 @@ def slow_file_server(root: Path, rate: int) -> Iterator[ThrottlingProxy]:
         server.shutdown()
         server.server_close()
         serving.join(5)
+
+
+# --- a real PostgreSQL server -----------------------------------------------------------
+
+
+def _postgres_bin(name: str) -> str | None:
+    """Debian puts the server's programs in /usr/lib/postgresql/<version>/bin, off PATH."""
+    import shutil
+
+    found = shutil.which(name)
+    if found:
+        return found
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin"),
+        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
+    )
+    for bin_dir in reversed(versions):
+        if (bin_dir / name).is_file():
+            return str(bin_dir / name)
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def postgres_server() -> Iterator[str]:
+    """A real PostgreSQL on a free loopback port with password auth, a role and a database
+    `llmgw` in a fresh data directory; yields its DSN and removes everything after.
+
+    PostgreSQL refuses to run as root, and tests here run as root: initdb and the server
+    then run as `nobody`, which owns the data directory. The directory is a private
+    mkdtemp under /tmp because pytest's own tmp tree is closed (0700) to other users.
+    """
+    import pwd
+    import secrets
+    import shutil
+    import tempfile
+    import time
+
+    initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
+    require(
+        initdb is not None and pg_ctl is not None,
+        "PostgreSQL's initdb/pg_ctl not found (Debian: apt-get install postgresql; "
+        "scripts/components installs it)",
+    )
+    assert initdb is not None and pg_ctl is not None
+    try:
+        import psycopg
+    except ImportError:
+        require(False, "psycopg is not installed (pip install -e .)")
+        raise
+    as_user: list[str] = []
+    uid = gid = None
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("nobody")
+        uid, gid = pw.pw_uid, pw.pw_gid
+        as_user = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+    top = Path(tempfile.mkdtemp(prefix="llmgw-pg-"))
+    data, pwfile, log = top / "data", top / "pw", top / "server.log"
+    admin_pw, user_pw = secrets.token_hex(16), secrets.token_hex(16)
+    pwfile.write_text(admin_pw + "\n")
+    if uid is not None:
+        os.chown(top, uid, gid)  # type: ignore[arg-type]
+        os.chown(pwfile, uid, gid)  # type: ignore[arg-type]
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
+    port = _free_port()
+    started = False
+    try:
+        subprocess.run(
+            [*as_user, initdb, "-D", str(data), "-U", "admin", f"--pwfile={pwfile}",
+             "--auth=scram-sha-256", "-E", "UTF8", "--no-sync"],
+            check=True, capture_output=True, env=env, timeout=120,
+        )  # fmt: skip
+        opts = (
+            f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={top}"
+            " -c fsync=off"
+        )
+        subprocess.run(
+            [*as_user, pg_ctl, "-D", str(data), "-l", str(log), "-o", opts, "-w", "-t", "60",
+             "start"],
+            check=True, capture_output=True, env=env, timeout=90,
+        )  # fmt: skip
+        started = True
+        admin = f"postgresql://admin:{admin_pw}@127.0.0.1:{port}/postgres"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                conn = psycopg.connect(admin, autocommit=True, connect_timeout=5)
+                break
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)  # pg_ctl -w already waited; this covers a slow first accept
+        with conn:
+            conn.execute(f"CREATE ROLE llmgw LOGIN PASSWORD '{user_pw}'")
+            conn.execute("CREATE DATABASE llmgw OWNER llmgw")
+        yield f"postgresql://llmgw:{user_pw}@127.0.0.1:{port}/llmgw"
+    finally:
+        if started:
+            subprocess.run(
+                [*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"],
+                capture_output=True, env=env, timeout=60,
+            )  # fmt: skip
+        shutil.rmtree(top, ignore_errors=True)
