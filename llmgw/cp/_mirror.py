@@ -289,6 +289,19 @@ class _Changed(Exception):
         self.name = name
 
 
+def _unhashable(where: str, exc: _Changed | OSError) -> Refusal:
+    """The 503 for a directory whose files could not be hashed: one still being copied
+    in (ask again soon), or one that cannot be read."""
+    if isinstance(exc, _Changed):
+        return Refusal(
+            503,
+            f"{where.rstrip('/')}/{exc.name} changed while it was hashed (still being copied "
+            "in?); ask again once it is complete",
+            ((b"retry-after", b"5"),),
+        )
+    return Refusal(503, f"{where.rstrip('/')}/: cannot read a file: {exc}")
+
+
 class ManifestCache:
     """sha256 of each file, by (path, size, mtime_ns): a file is hashed again only if it changed.
 
@@ -703,23 +716,8 @@ class _Mirror:
                         if fname.endswith(_DIST_SUFFIXES):
                             digest = await self.cache.sha256(fname, path, size, mtime_ns)
                             files.append((fname, f"simple/{d}/{fname}", digest))
-            except _Changed as exc:
-                await self._error(
-                    stream,
-                    conn,
-                    request,
-                    Refusal(
-                        503,
-                        f"/simple/{name}/: {exc.name} changed while it was hashed (still "
-                        "being copied in?); ask again once it is complete",
-                        ((b"retry-after", b"5"),),
-                    ),
-                )
-                return
-            except OSError as exc:
-                await self._error(
-                    stream, conn, request, Refusal(503, f"/simple/{name}/: cannot read: {exc}")
-                )
+            except (_Changed, OSError) as exc:
+                await self._error(stream, conn, request, _unhashable(f"/simple/{name}/", exc))
                 return
             files.sort()
             body = project_page(name, files, as_json)
@@ -744,23 +742,8 @@ class _Mirror:
             for name, path, size, mtime_ns in listed:
                 digest = await self.cache.sha256(name, path, size, mtime_ns)
                 files.append({"name": name, "size": size, "sha256": digest})
-        except _Changed as exc:
-            await self._error(
-                stream,
-                conn,
-                request,
-                Refusal(
-                    503,
-                    f"{shown}{exc.name} changed while it was hashed (still being copied in?); "
-                    "ask again once it is complete",
-                    ((b"retry-after", b"5"),),
-                ),
-            )
-            return
-        except OSError as exc:
-            await self._error(
-                stream, conn, request, Refusal(503, f"{shown}: cannot read a file: {exc}")
-            )
+        except (_Changed, OSError) as exc:
+            await self._error(stream, conn, request, _unhashable(shown, exc))
             return
         body = json.dumps({"files": files}, separators=(",", ":")).encode()
         headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-cache")]

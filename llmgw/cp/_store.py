@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -34,7 +33,7 @@ import attrs
 import trio
 
 from llmgw.errors import ConfigError, DeadlineExceeded, PeerError, UsageError
-from llmgw.router._keys import ApiKey, digest, new_secret
+from llmgw.router._keys import ApiKey, digest, new_key
 
 log = logging.getLogger("llmgw.cp.store")
 
@@ -516,17 +515,8 @@ class SqlStore:
         expires_at: float | None = None,
     ) -> tuple[ApiKey, str]:
         """Store a new key; returns it and its secret, which is never retrievable again."""
-        if not tenant:
-            raise UsageError("a key needs a tenant")
-        secret = new_secret()
-        key = ApiKey(
-            key_id="key-" + secrets.token_hex(6),
-            tenant=tenant,
-            models=None if models is None else frozenset(models),
-            default_band=default_band,
-            max_band=max_band or default_band,
-            created_at=time.time(),
-            name=name,
+        key, secret = new_key(
+            tenant=tenant, models=models, default_band=default_band, max_band=max_band, name=name
         )
         await self._q(
             f"INSERT INTO api_keys (secret_sha256, {_KEY_COLUMNS}, expires_at)"

@@ -53,6 +53,29 @@ def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(32)
 
 
+def new_key(
+    *,
+    tenant: str,
+    models: Iterable[str] | None = None,
+    default_band: str = "interactive",
+    max_band: str | None = None,
+    name: str = "",
+) -> tuple[ApiKey, str]:
+    """A new key and its secret (for a store to keep the key and the secret's digest)."""
+    if not tenant:
+        raise UsageError("a key needs a tenant")
+    key = ApiKey(
+        key_id="key-" + secrets.token_hex(6),
+        tenant=tenant,
+        models=None if models is None else frozenset(models),
+        default_band=default_band,
+        max_band=max_band or default_band,
+        created_at=time.time(),
+        name=name,
+    )
+    return key, new_secret()
+
+
 class KeyStore(Protocol):
     """Where keys live: SQLite now, PostgreSQL later. Every method is async."""
 
@@ -155,17 +178,8 @@ class SqliteKeyStore:
         max_band: str | None = None,
         name: str = "",
     ) -> tuple[ApiKey, str]:
-        if not tenant:
-            raise UsageError("a key needs a tenant")
-        secret = new_secret()
-        key = ApiKey(
-            key_id="key-" + secrets.token_hex(6),
-            tenant=tenant,
-            models=None if models is None else frozenset(models),
-            default_band=default_band,
-            max_band=max_band or default_band,
-            created_at=time.time(),
-            name=name,
+        key, secret = new_key(
+            tenant=tenant, models=models, default_band=default_band, max_band=max_band, name=name
         )
         await self._call(
             f"INSERT INTO api_keys (secret_sha256, {_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
