@@ -221,6 +221,17 @@ class ServerConfig:
     mirror: MirrorConfig = attrs.field(factory=MirrorConfig)  # llmgw.cp._mirror
     # The engines every node installs, by name; null: none declared (llmgw.cp._engines).
     engines: dict[str, Any] | None = None
+    # What the control plane keeps (accounts, keys, overrides, known nodes, the leader lease,
+    # usage): null: SQLite in state_dir; a `postgresql://` DSN; or the absolute path of a
+    # file holding one (`llmgw-cp init --postgres` writes <state_dir>/secrets/store-dsn).
+    store: str | None = None
+    # The leader's lease on the store, renewed every third of it; a standby takes over once
+    # it has lapsed (llmgw.cp._leader).
+    lease_s: float = attrs.field(default=10.0, validator=between(1, 600))
+    # The RPC address agents dial to reach this control plane, as a standby names it to
+    # them; null: rpc_listen's port on this machine's name (its FQDN) when rpc_listen's
+    # host is a wildcard, else rpc_listen itself.
+    advertise: HostPort | None = None
 
 
 @attrs.define(kw_only=True, frozen=True)

@@ -17,6 +17,7 @@ import trio
 from llmgw import config, core
 from llmgw._process import run_service, setup_logging
 from llmgw.cp import _catalog, _catalog_file, _engines
+from llmgw.cp._accounts import StoreKeys
 from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
 from llmgw.cp._catalog_file import CatalogFile
 from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
@@ -27,9 +28,10 @@ from llmgw.cp._pages import api_client, make_pages
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
 from llmgw.cp._sizes import SourceSizes
+from llmgw.cp._store import SqlStore, open_store, store_location
 from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
 from llmgw.errors import ConfigError
-from llmgw.router import Router, RouterConfig, SqliteKeyStore, listener_limits, serve_http
+from llmgw.router import Router, RouterConfig, listener_limits, serve_http
 from llmgw.rpc import CapnpThread, Deadlines, HandshakeLimits, _tls
 
 log = logging.getLogger("llmgw.cp")
@@ -79,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     )
 
 
+async def open_configured_store(cfg: config.ServerConfig, source: str = "server.yaml") -> SqlStore:
+    """The store server.yaml names (SQLite in state_dir when it names none), migrated."""
+    return await open_store(store_location(cfg.store, cfg.state_dir, source))
+
+
 def engine_loader(
     cfg: config.ServerConfig, path: Path, hashes: ManifestCache
 ) -> _catalog_file.EngineLoader:
@@ -95,6 +102,33 @@ async def serve(
     hashes: ManifestCache | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    store = await open_configured_store(cfg)
+    try:
+        await _serve(
+            cfg,
+            catalog,
+            store,
+            router_cfg,
+            log_level=log_level,
+            hashes=hashes,
+            task_status=task_status,
+        )
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+
+
+async def _serve(
+    cfg: config.ServerConfig,
+    catalog: CatalogFile,
+    store: SqlStore,
+    router_cfg: RouterConfig | None = None,
+    *,
+    log_level: str | None = None,
+    hashes: ManifestCache | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    log.info("store: %s", store.where)
     _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     tls = _tls.server_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     key_path, created = ensure_admin_key(cfg.state_dir)
@@ -135,14 +169,20 @@ async def serve(
         endpoints.refresh()
 
     catalog.on_change = catalog_changed
-    keys = SqliteKeyStore(cfg.state_dir / "keys.sqlite")
+    keys = StoreKeys(store)
     admin_key = read_admin_key(key_path)
     router = Router(router_cfg or RouterConfig(), endpoints, keys, admin_key=admin_key)
     workers = router.config.workers if cfg.router_listen is not None else 1
     # Workers 1..N-1 run in processes of their own (llmgw/cp/_workers.py); this one is 0.
+    # Each opens the store itself (SQLite in WAL mode, or PostgreSQL) to read keys.
     hub = (
         WorkerHub(
-            endpoints, workers, cfg.router, keys.path, config.split_host_port(cfg.admin_listen)
+            endpoints,
+            workers,
+            cfg.router,
+            store_location(cfg.store, cfg.state_dir, "server.yaml"),
+            key_path,
+            config.split_host_port(cfg.admin_listen),
         )
         if workers > 1
         else None

@@ -16,7 +16,7 @@ transaction (on PostgreSQL under an advisory lock, on SQLite under BEGIN
 IMMEDIATE), so two processes opening the same store at once apply each step
 once. A store whose schema is newer than this code knows is refused.
 
-Not wired into llmgw-cp yet.
+llmgw-cp opens it at start (server.yaml `store:`, `store_location`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import attrs
 import trio
 
 from llmgw.errors import ConfigError, DeadlineExceeded, PeerError, UsageError
-from llmgw.router._keys import ApiKey, digest, new_key
+from llmgw.router._keys import ApiKey, TenantLimits, digest, new_key
+from llmgw.router._usage import UsageRow
 
 log = logging.getLogger("llmgw.cp.store")
 
@@ -94,17 +95,6 @@ class AuditEntry:
     actor: str
     action: str
     detail: str
-
-
-@attrs.frozen
-class UsageRow:
-    hour: int  # the hour's start, seconds since the epoch (a multiple of 3600)
-    tenant: str
-    key_id: str
-    model: str
-    requests: int
-    prompt_tokens: int
-    completion_tokens: int
 
 
 class Store(Protocol):
@@ -442,6 +432,12 @@ class SqlStore:
     def where(self) -> str:
         return self._backend.where
 
+    @property
+    def shared(self) -> bool:
+        """Whether other control planes may open this store too (PostgreSQL), so that a
+        leader must hold the lease against them; SQLite is one machine's file."""
+        return isinstance(self._backend, _Postgres)
+
     async def _tx(self, fn: Callable[[_Exec], T]) -> T:
         try:
             with trio.fail_after(self.timeout_s):
@@ -518,6 +514,7 @@ class SqlStore:
         key, secret = new_key(
             tenant=tenant, models=models, default_band=default_band, max_band=max_band, name=name
         )
+        key = attrs.evolve(key, expires_at=expires_at)
         await self._q(
             f"INSERT INTO api_keys (secret_sha256, {_KEY_COLUMNS}, expires_at)"
             " VALUES (?,?,?,?,?,?,?,?,?,?)",
@@ -541,7 +538,11 @@ class SqlStore:
         rows = await self._q(
             f"SELECT {_KEY_COLUMNS}, expires_at FROM api_keys ORDER BY created_at, key_id"
         )
-        return [StoredKey(_row_key(r), None if r[8] is None else float(r[8])) for r in rows]
+        out = []
+        for r in rows:
+            expires_at = None if r[8] is None else float(r[8])
+            out.append(StoredKey(attrs.evolve(_row_key(r), expires_at=expires_at), expires_at))
+        return out
 
     async def revoke_key(self, key_id: str) -> bool:
         rows = await self._q(
@@ -550,14 +551,34 @@ class SqlStore:
         return bool(rows)
 
     async def lookup_key(self, secret_digest: bytes) -> ApiKey | None:
-        """The key with this SHA-256 secret, revoked or not; None when unknown or expired."""
+        """The key with this SHA-256 secret, revoked or not, with its expiry and its tenant's
+        limits (None when the tenant has no account); None when unknown or expired."""
         now = self._backend.now_sql
+        cols = ", ".join(f"k.{c.strip()}" for c in _KEY_COLUMNS.split(","))
         rows = await self._q(
-            f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE secret_sha256 = ?"
-            f" AND (expires_at IS NULL OR expires_at > {now})",
+            f"SELECT {cols}, k.expires_at, a.name, a.rpm, a.tpm, a.max_band"
+            " FROM api_keys k LEFT JOIN accounts a ON a.name = k.tenant"
+            f" WHERE k.secret_sha256 = ? AND (k.expires_at IS NULL OR k.expires_at > {now})",
             (bytes(secret_digest),),
         )
-        return _row_key(rows[0]) if rows else None
+        if not rows:
+            return None
+        row = rows[0]
+        expires_at, account, rpm, tpm, max_band = row[8:13]
+        limits = (
+            None
+            if account is None
+            else TenantLimits(
+                rpm=None if rpm is None else int(rpm),
+                tpm=None if tpm is None else int(tpm),
+                max_band=None if max_band is None else str(max_band),
+            )
+        )
+        return attrs.evolve(
+            _row_key(row),
+            expires_at=None if expires_at is None else float(expires_at),
+            limits=limits,
+        )
 
     # nodes
 
@@ -612,7 +633,8 @@ class SqlStore:
         return Lease(str(holder), int(epoch), float(expires_at), float(expires_at) <= float(now))
 
     async def try_acquire(self, holder: str, ttl_s: float) -> Lease | None:
-        """Take the lease when it is free or expired, with the epoch one higher; None when held.
+        """Take the lease when it is free, expired or already this holder's (a control plane
+        restarted on the same address), with the epoch one higher; None when another holds it.
 
         One UPDATE whose condition the database re-checks on the locked row, so of
         two control planes racing for an expired lease exactly one gets it.
@@ -624,9 +646,9 @@ class SqlStore:
         now = self._backend.now_sql
         rows = await self._q(
             f"UPDATE lease SET holder = ?, epoch = epoch + 1, expires_at = {now} + ?"
-            f" WHERE id = 1 AND (holder IS NULL OR expires_at <= {now})"
+            f" WHERE id = 1 AND (holder IS NULL OR holder = ? OR expires_at <= {now})"
             f" RETURNING holder, epoch, expires_at, {now}",
-            (holder, float(ttl_s)),
+            (holder, float(ttl_s), holder),
         )
         if not rows:
             return None
@@ -737,6 +759,30 @@ def known_schema(backend: str) -> int:
 
 def _conforms(store: SqlStore) -> Store:
     return store  # mypy checks here that SqlStore is a Store
+
+
+def store_location(value: str | None, state_dir: Path, source: str) -> str | Path:
+    """server.yaml's `store:` as `open_store` takes it: the state dir (SQLite) for null, a
+    DSN as given, or the DSN read from the file an absolute path names."""
+    if value is None:
+        return state_dir
+    if value.startswith(("postgresql://", "postgres://")):
+        return value
+    path = Path(value)
+    if not path.is_absolute():
+        raise ConfigError(
+            f"{source}: store: {value[:60]!r} is neither a postgresql:// DSN nor the "
+            "absolute path of a file holding one"
+        )
+    try:
+        dsn = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"{source}: store: {path}: cannot read the DSN file: {exc.strerror}"
+        ) from None
+    if not dsn.startswith(("postgresql://", "postgres://")):
+        raise ConfigError(f"{source}: store: {path} does not hold a postgresql:// DSN")
+    return dsn
 
 
 async def open_store(where: str | Path, *, timeout_s: float = 10.0) -> SqlStore:

@@ -8,7 +8,7 @@ over one Unix socket in state_dir (`router.sock`, mode 0600), one connection per
 worker, JSON lines both ways:
 
     worker -> cp   {"hello": i, "pid": P}                           once
-    cp -> worker   {"router": {...}, "keys": PATH, "admin_key": PATH}  once (server.yaml's router:)
+    cp -> worker   {"router": {...}, "store": WHERE, "admin_key": PATH}  once (server.yaml)
     cp -> worker   {"version": V, "endpoints": {model: [[id, model, engine, host, port, slots]]}}
                    at once, then whenever the fleet view's version moves (checked every 100 ms)
     worker -> cp   {"version": V, "in_flight": {endpoint id: n}}    every 200 ms, and at once
@@ -28,7 +28,7 @@ retiring replica can say it will send it nothing new.
 
 Worker i serves its own `/metrics` on the admin listener's port + i (worker 0's are
 the admin listener's own); a worker that cannot bind there routes without metrics.
-Workers open keys.sqlite themselves; their key cache (key_cache_ttl_s) bounds how
+Workers open the store themselves; their key cache (key_cache_ttl_s) bounds how
 long a revoked key is still admitted there, as in the control plane.
 """
 
@@ -51,8 +51,10 @@ import trio
 
 from llmgw import config
 from llmgw._process import run_service, setup_logging
-from llmgw.cp._admin import ADMIN_KEY_FILE, read_admin_key
-from llmgw.router import Router, RouterConfig, SqliteKeyStore, listener_limits, serve_http
+from llmgw.cp._accounts import StoreKeys
+from llmgw.cp._admin import read_admin_key
+from llmgw.cp._store import open_store
+from llmgw.router import Router, RouterConfig, listener_limits, serve_http
 from llmgw.router._main import _keep_worker, metrics_app
 from llmgw.router._types import Endpoint, EndpointSource
 
@@ -116,18 +118,20 @@ class WorkerHub:
         source: EndpointSource,
         workers: int,
         router_section: Mapping[str, Any],
-        keys_path: Path,
+        store: str | Path,
+        admin_key_path: Path,
         metrics_at: tuple[str, int] | None = None,
     ) -> None:
-        """`metrics_at`: the admin listener's host and port; worker i serves its own
-        `/metrics` on that port + i."""
+        """`store`: where the control plane's store is (`open_store`'s argument): each
+        worker opens it to read keys. `metrics_at`: the admin listener's host and port;
+        worker i serves its own `/metrics` on that port + i."""
         self._source = source
         self.workers = workers
-        # The admin key's file beside the keys: a worker explains decisions to it too.
+        # The admin key's file: a worker explains decisions to it too.
         self._setup: dict[str, Any] = {
             "router": dict(router_section),
-            "keys": str(keys_path),
-            "admin_key": str(keys_path.with_name(ADMIN_KEY_FILE)),
+            "store": str(store),
+            "admin_key": str(admin_key_path),
         }
         if metrics_at is not None:
             self._setup["metrics"] = list(metrics_at)
@@ -286,7 +290,8 @@ async def run_worker(
         router_cfg = config.structure(setup["router"], RouterConfig, "server.yaml", at="router")
         source = RemoteEndpoints()
         source.apply(await lines.next())
-        keys = SqliteKeyStore(Path(setup["keys"]))
+        store = await open_store(setup["store"])
+        keys = StoreKeys(store)
         admin_key = read_admin_key(Path(setup["admin_key"])) if "admin_key" in setup else None
         router = Router(router_cfg, source, keys, worker=index, admin_key=admin_key)
         seen: set[str] = set()
@@ -356,7 +361,8 @@ async def run_worker(
                 nursery.cancel_scope.cancel()
         finally:
             router.close()
-            keys.close()
+            with trio.CancelScope(shield=True):
+                await store.aclose()
 
 
 def main(argv: list[str] | None = None) -> int:

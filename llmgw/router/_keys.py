@@ -31,6 +31,15 @@ SECRET_PREFIX = "llmgw-"
 
 
 @attrs.frozen
+class TenantLimits:
+    """What a tenant (an account in the control plane's store) may use; None: no limit."""
+
+    rpm: int | None = None  # requests per minute
+    tpm: int | None = None  # prompt + completion tokens per minute
+    max_band: str | None = None  # the highest-priority band its keys may ask for
+
+
+@attrs.frozen
 class ApiKey:
     key_id: str
     tenant: str
@@ -40,9 +49,16 @@ class ApiKey:
     created_at: float
     revoked: bool = False
     name: str = ""
+    expires_at: float | None = None  # wall clock; None: never
+    # The tenant's limits, read with the key (the store joins its account); None: none known.
+    limits: TenantLimits | None = None
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+    def usable(self, now: float) -> bool:
+        """Not revoked and not expired at wall-clock `now`."""
+        return not self.revoked and (self.expires_at is None or now < self.expires_at)
 
 
 def digest(secret: str) -> bytes:
@@ -87,6 +103,7 @@ class KeyStore(Protocol):
         default_band: str = "interactive",
         max_band: str | None = None,
         name: str = "",
+        expires_at: float | None = None,
     ) -> tuple[ApiKey, str]:
         """Store a new key; returns it and its secret (never retrievable again)."""
         ...
@@ -177,7 +194,13 @@ class SqliteKeyStore:
         default_band: str = "interactive",
         max_band: str | None = None,
         name: str = "",
+        expires_at: float | None = None,
     ) -> tuple[ApiKey, str]:
+        if expires_at is not None:
+            raise UsageError(
+                f"{self.path}: this key file keeps no expiry; keys that expire live in the "
+                "control plane's store"
+            )
         key, secret = new_key(
             tenant=tenant, models=models, default_band=default_band, max_band=max_band, name=name
         )
@@ -239,6 +262,7 @@ class StaticKeys:
         default_band: str = "interactive",
         max_band: str | None = None,
         name: str = "",
+        expires_at: float | None = None,
     ) -> tuple[ApiKey, str]:
         raise UsageError("these keys come from the configuration file; edit it to add one")
 
@@ -291,10 +315,13 @@ class CachedKeys:
         entry = self._cache.get(d)
         if entry is not None and entry[1] > now:
             self.hits += 1
-            return entry[0]
+            cached = entry[0]
+            if cached is not None and not cached.usable(time.time()):
+                return None  # expired while cached
+            return cached
         self.misses += 1
         key = await self.store.lookup(secret)
-        if key is not None and key.revoked:
+        if key is not None and (key.revoked or not key.usable(time.time())):
             key = None
         if len(self._cache) >= self.max_entries:
             self._cache.clear()
@@ -309,9 +336,15 @@ class CachedKeys:
         default_band: str = "interactive",
         max_band: str | None = None,
         name: str = "",
+        expires_at: float | None = None,
     ) -> tuple[ApiKey, str]:
         key, secret = await self.store.create(
-            tenant=tenant, models=models, default_band=default_band, max_band=max_band, name=name
+            tenant=tenant,
+            models=models,
+            default_band=default_band,
+            max_band=max_band,
+            name=name,
+            expires_at=expires_at,
         )
         self._cache.pop(digest(secret), None)  # a cached "unknown" must not outlive the key
         return key, secret

@@ -104,7 +104,7 @@ def test_requests_reach_both_workers_a_dead_one_restarts_sigterm_stops_all(
     assert again[0] == cluster.cp.pid and alive(again[1])
 
     # A key revoked in the control plane is refused by both workers within the key
-    # cache's TTL (1 s here): worker 1 reads keys.sqlite itself.
+    # cache's TTL (1 s here): worker 1 reads the store itself.
     other = json.loads(cluster.ctl("keys", "create", "--tenant", "t2", "--json").stdout)
     assert pids_by_worker(cluster, other["secret"]).keys() == {0, 1}
     cluster.ctl("keys", "revoke", other["key"]["key_id"])
@@ -229,7 +229,7 @@ def test_in_flight_is_summed_only_from_fresh_reports_of_the_view_listed_now() ->
     from llmgw.router import StaticEndpoints
 
     source = StaticEndpoints()
-    hub = WorkerHub(source, 3, {}, Path("/nonexistent/keys.sqlite"))
+    hub = WorkerHub(source, 3, {}, Path("/nonexistent"), Path("/nonexistent/admin.key"))
     assert hub.in_flight("e") is None  # nobody has reported: unknown, not 0
     now = time.monotonic()
     hub._reports[1] = _Report(source.version, {"e": 2}, now)

@@ -22,7 +22,7 @@ from llmgw.cp._store import (
     open_store,
 )
 from llmgw.errors import ConfigError, DeadlineExceeded, LlmgwError, PeerError, UsageError
-from llmgw.router._keys import digest
+from llmgw.router._keys import TenantLimits, digest
 
 
 @pytest.fixture(scope="session")
@@ -120,6 +120,14 @@ async def test_keys_by_digest_and_expiry(store: SqlStore) -> None:
     revoked = await store.lookup_key(digest(secret))
     assert revoked is not None and revoked.revoked  # as KeyStore.lookup: revoked, not unknown
     assert not await store.revoke_key("key-none")
+    # A key is read with its tenant's limits (what admission enforces), once it has an account.
+    assert future.limits is None
+    await store.create_account(Account("acme", rpm=60, tpm=None, max_band="batch"))
+    limited = await store.lookup_key(digest(future_secret))
+    assert limited is not None and limited.limits == TenantLimits(
+        rpm=60, tpm=None, max_band="batch"
+    )
+    assert limited.expires_at == future.expires_at and limited.expires_at is not None
     with pytest.raises(UsageError, match="needs a tenant"):
         await store.create_key(tenant="")
 
@@ -169,21 +177,26 @@ async def test_lease(store: SqlStore) -> None:
     assert a is not None and (a.holder, a.epoch, a.expired) == ("cp-a", 1, False)
     assert await store.current() == a
     assert await store.try_acquire("cp-b", 30) is None  # held
-    assert await store.try_acquire("cp-a", 30) is None  # held, even by itself: it renews
-    assert await store.renew("cp-a", 1, 30)
-    assert not await store.renew("cp-b", 1, 30)
-    assert not await store.renew("cp-a", 2, 30)
+    # Its own holder takes it again at once, one epoch on (a control plane restarted on
+    # the same address must not wait out its previous life's lease).
+    again = await store.try_acquire("cp-a", 30)
+    assert again is not None and (again.holder, again.epoch) == ("cp-a", 2)
+    assert not await store.renew("cp-a", 1, 30)  # the previous life's epoch is over
+    assert await store.renew("cp-a", 2, 30)
+    assert not await store.renew("cp-b", 2, 30)
+    assert not await store.renew("cp-a", 3, 30)
+    a = again
     renewed = await store.current()
     assert renewed is not None and renewed.expires_at >= a.expires_at
 
-    assert await store.renew("cp-a", 1, 0.3)  # shorten it, then let it lapse
+    assert await store.renew("cp-a", 2, 0.3)  # shorten it, then let it lapse
     await _until_expired(store)
     b = await store.try_acquire("cp-b", 30)
-    assert b is not None and (b.holder, b.epoch) == ("cp-b", 2)
-    assert not await store.renew("cp-a", 1, 30)  # the deposed holder learns it lost
-    assert await store.renew("cp-b", 2, 30)
+    assert b is not None and (b.holder, b.epoch) == ("cp-b", 3)
+    assert not await store.renew("cp-a", 2, 30)  # the deposed holder learns it lost
+    assert await store.renew("cp-b", 3, 30)
     cur = await store.current()
-    assert cur is not None and (cur.holder, cur.epoch, cur.expired) == ("cp-b", 2, False)
+    assert cur is not None and (cur.holder, cur.epoch, cur.expired) == ("cp-b", 3, False)
     with pytest.raises(UsageError):
         await store.try_acquire("cp-c", 0)
 
