@@ -23,7 +23,7 @@ from typing import Protocol
 import attrs
 import trio
 
-from llmgw.errors import ConfigError, UsageError
+from llmgw.errors import ConfigError, LlmgwError, UsageError
 
 log = logging.getLogger("llmgw.router.keys")
 
@@ -301,12 +301,18 @@ class CachedKeys:
         self._cache: dict[bytes, tuple[ApiKey | None, float]] = {}
         self.hits = 0
         self.misses = 0
+        self.stale_served = 0  # cached keys answered past their TTL while the store failed
 
     def __repr__(self) -> str:
         return f"<CachedKeys {len(self._cache)} cached, {self.hits} hits, {self.misses} misses>"
 
     def statistics(self) -> dict[str, int]:
-        return {"cached": len(self._cache), "hits": self.hits, "misses": self.misses}
+        return {
+            "cached": len(self._cache),
+            "hits": self.hits,
+            "misses": self.misses,
+            "stale_served": self.stale_served,
+        }
 
     async def lookup(self, secret: str) -> ApiKey | None:
         """The usable key for `secret`: None when unknown or revoked."""
@@ -320,7 +326,18 @@ class CachedKeys:
                 return None  # expired while cached
             return cached
         self.misses += 1
-        key = await self.store.lookup(secret)
+        try:
+            key = await self.store.lookup(secret)
+        except LlmgwError as exc:
+            # The store is down (or slow past its deadline): a key this process has
+            # already seen keeps working on what it knew, revocations of the last
+            # ttl_s aside; one it has never seen cannot be checked (the caller answers 503).
+            if entry is not None and entry[0] is not None and entry[0].usable(time.time()):
+                self.stale_served += 1
+                if self.stale_served % 1000 == 1:
+                    log.warning("key store unreachable; serving cached keys: %s", exc)
+                return entry[0]
+            raise
         if key is not None and (key.revoked or not key.usable(time.time())):
             key = None
         if len(self._cache) >= self.max_entries:

@@ -126,7 +126,26 @@ class RouterMetrics:
             ["model", "endpoint", "phase"],
             registry=registry,
         )
+        self.tenant_requests = Counter(
+            "llmgw_tenant_requests",
+            "Inference requests its limits let through, by tenant, however they ended",
+            ["tenant"],
+            registry=registry,
+        )
+        self.tenant_tokens = Counter(
+            "llmgw_tenant_tokens",
+            "Tokens the engines reported for the tenant's answers: prompt or completion",
+            ["tenant", "kind"],
+            registry=registry,
+        )
+        self.tenant_refusals = Counter(
+            "llmgw_tenant_refused",
+            "Requests refused by their tenant's limits: rpm or tpm (429), band (403)",
+            ["tenant", "reason"],
+            registry=registry,
+        )
         registry.register(_StateCollector(router))
+        self._tenant: dict[str, tuple[Any, Any, Any]] = {}
         self._req: dict[tuple[str, int, str], Any] = {}
         self._dur: dict[str, Any] = {}
         self._ttft: dict[str, Any] = {}
@@ -171,6 +190,23 @@ class RouterMetrics:
         prefix index's guess fared ("hit", "miss"; None: it guessed nothing)."""
         self.cached_tokens.labels(model).inc(cached)
         self.guesses.labels(model, endpoint, outcome or "none").inc()
+
+    def tenant_finished(self, tenant: str, prompt: int | None, completion: int | None) -> None:
+        children = self._tenant.get(tenant)
+        if children is None:
+            children = self._tenant[tenant] = (
+                self.tenant_requests.labels(tenant),
+                self.tenant_tokens.labels(tenant, "prompt"),
+                self.tenant_tokens.labels(tenant, "completion"),
+            )
+        children[0].inc()
+        if prompt:
+            children[1].inc(prompt)
+        if completion:
+            children[2].inc(completion)
+
+    def tenant_refused(self, tenant: str, reason: str) -> None:
+        self.tenant_refusals.labels(tenant, reason).inc()
 
     def tokens(self, model: str, prompt: int | None, completion: int | None) -> None:
         if prompt is not None:

@@ -47,11 +47,13 @@ from llmgw.core._scoring import (
     decide,
     explain,
 )
+from llmgw.errors import LlmgwError
 from llmgw.router import _request_id, _server, _surface
 from llmgw.router._keys import ApiKey, CachedKeys, KeyStore
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._scraper import EndpointState, Scraper
 from llmgw.router._surface import HttpError, Route
+from llmgw.router._tenants import Refused, TenantLimiter, ceiling, share
 from llmgw.router._types import Endpoint, EndpointSource
 from llmgw.router._upstream import (
     ConnectFailed,
@@ -60,6 +62,7 @@ from llmgw.router._upstream import (
     UpstreamError,
     UpstreamTimeout,
 )
+from llmgw.router._usage import UsageMeter, UsageSink
 
 # JSON strings, skipped when measuring nesting (brackets inside them do not nest).
 # Possessive, so an unterminated string costs one pass, not a backtracking search.
@@ -121,19 +124,6 @@ def _policy(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
         raise BoundError(attribute.name, f"must be one of {', '.join(POLICIES)} (got {value!r})")
 
 
-def share(total: int, index: int, workers: int) -> int:
-    """Worker `index`'s part of a limit of `total` split between `workers` processes.
-
-    The parts add up to `total` (the first `total % workers` workers get one more),
-    except that a limit of 1 or more is never split into a 0: with fewer than
-    `workers`, every worker gets 1 and together they admit up to `workers`.
-    """
-    if workers <= 1 or total <= 0:
-        return total
-    part = total // workers + (1 if index < total % workers else 0)
-    return max(part, 1)
-
-
 @attrs.define(kw_only=True, frozen=True)
 class RouterConfig:
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
@@ -179,6 +169,8 @@ class RouterConfig:
     # connections); each admits its share of every limit (`share`). Inside llmgw-cp
     # the control plane itself is worker 0 (llmgw/cp/_workers.py).
     workers: int = attrs.field(default=1, validator=between(1, MAX_WORKERS))
+    # How often counted usage goes to the store (the UsageSink), and once more at shutdown.
+    usage_flush_s: float = attrs.field(default=10.0, validator=positive(3600))
 
     def __attrs_post_init__(self) -> None:
         AdmissionConfig(
@@ -332,13 +324,18 @@ class _Exchange:
         "band",
         "client_gone",
         "complete",
+        "completion_tokens",
         "content_type",
         "errors",
+        "key_id",
         "model",
         "prompt",
+        "prompt_tokens",
         "report",
         "responded",
         "status",
+        "strip_usage",
+        "tenant",
         "ttft",
     )
 
@@ -354,6 +351,12 @@ class _Exchange:
         self.ttft: float | None = None
         self.prompt: _Prompt | None = None
         self.report: _surface.CacheReport | None = None  # the engine's, from the answer
+        # Set once the request passed its tenant's limits: from then on it is metered.
+        self.tenant: str | None = None
+        self.key_id = ""
+        self.prompt_tokens: int | None = None  # the relayed answer's usage (None: not said)
+        self.completion_tokens: int | None = None
+        self.strip_usage = False  # the router asked for the usage chunk; the client did not
 
 
 class Router:
@@ -370,9 +373,13 @@ class Router:
         rng: random.Random | None = None,
         worker: int = 0,
         admin_key: str | None = None,
+        usage: UsageSink | None = None,
     ) -> None:
-        """`worker`: this process's index among `config.workers` (its share of the limits).
-        `admin_key`: the key whose requests may ask `x-llmgw-explain: 1`."""
+        """`worker`: this process's index among `config.workers` (its share of the limits,
+        tenants' included: each of N workers admits a tenant's limit / N).
+        `admin_key`: the key whose requests may ask `x-llmgw-explain: 1`.
+        `usage`: where counted usage is flushed (the control plane's store); None: it is
+        counted (`meter`) and never sent anywhere."""
         if not 0 <= worker < config.workers:
             raise ValueError(f"worker must be 0 to {config.workers - 1} (workers), got {worker}")
         self.config = config
@@ -389,6 +396,7 @@ class Router:
         )
         self._rng = rng or random.Random()
         self._bands = {b.name: b for b in config.bands}
+        self._ranks = {b.name: b.rank for b in config.bands}
         self._timeouts = Timeouts(
             connect_s=config.connect_timeout_s,
             first_byte_s=config.first_byte_timeout_s,
@@ -407,6 +415,10 @@ class Router:
         )
         self._affinity = config.affinity_header.lower().encode() if config.affinity_header else None
         self._models: dict[str, _Model] = {}
+        self.tenants = TenantLimiter(worker=worker, workers=config.workers)
+        self.meter = UsageMeter()
+        self._usage_sink = usage
+        self._unknown_ceilings: set[tuple[str, str]] = set()  # logged once each
         self._known: dict[str, _Model] = {}  # what the source lists now
         self._states: dict[str, EndpointState] = {}
         # Endpoints that left the source's list with requests still on them: their
@@ -458,6 +470,8 @@ class Router:
             },
             "waiting": len(self._waiters),
             "keys": self.keys.statistics(),
+            "tenants": self.tenants.statistics(),
+            "usage": self.meter.statistics(),
         }
 
     def models(self) -> dict[str, _Model]:
@@ -568,13 +582,48 @@ class Router:
     # --- background ------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The scraper and the fleet watch; cancel to stop. Requests time out in the queue
-        on their own deadlines, so no admission timer is needed here."""
+        """The scraper, the fleet watch and the usage flush; cancel to stop (usage is
+        flushed once more, shielded and bounded). Requests time out in the queue on their
+        own deadlines, so no admission timer is needed here."""
+        try:
+            await self._run(task_status)
+        finally:
+            if self._usage_sink is not None:
+                with trio.CancelScope(shield=True):
+                    await self.flush_usage(self._usage_sink)
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             self.refresh()
             await nursery.start(self.scraper.run)
             nursery.start_soon(self._watch_source)
+            if self._usage_sink is not None:
+                nursery.start_soon(self._flush_usage, self._usage_sink)
             task_status.started()
+
+    async def _flush_usage(self, sink: UsageSink) -> None:
+        while True:
+            await trio.sleep(self.config.usage_flush_s)
+            await self.flush_usage(sink)
+
+    async def flush_usage(self, sink: UsageSink) -> None:
+        """Send the counted usage; on failure it stays counted for the next flush."""
+        if not self.meter.statistics()["pending"]:
+            return
+        try:
+            with trio.fail_after(max(10.0, self.config.usage_flush_s)):
+                await self.meter.flush(sink)
+        except Exception as exc:  # the store is down or slow: keep counting, try again
+            stats = self.meter.statistics()
+            log.warning(
+                "usage: could not write %d rows to the store (kept for the next flush "
+                "in %g s; %d requests dropped so far, over %d rows pending): %s",
+                stats["pending"],
+                self.config.usage_flush_s,
+                stats["dropped"],
+                self.meter.max_rows,
+                exc or type(exc).__name__,
+            )
 
     async def _watch_source(self) -> None:
         # Requests re-read the source too; this catches changes while no request comes.
@@ -644,7 +693,57 @@ class Router:
                 ex.status = 499  # nginx's "client closed request": the client left first
             if route is not None or ex.status:
                 self.metrics.finished(ex, time.perf_counter() - start)
+            if ex.tenant is not None:
+                self._metered(ex)
             _request_id.CURRENT.reset(rid_token)
+
+    def _metered(self, ex: _Exchange) -> None:
+        """A request its tenant's limits let through has finished, however it ended: its
+        tokens (those its answer reported; unknown adds 0) go to the meter, the tenant's
+        token bucket and the tenant's metrics."""
+        tenant = ex.tenant
+        assert tenant is not None
+        prompt, completion = ex.prompt_tokens, ex.completion_tokens
+        self.meter.add(time.time(), tenant, ex.key_id, ex.model, prompt, completion)
+        self.metrics.tenant_finished(tenant, prompt, completion)
+        spent = (prompt or 0) + (completion or 0)
+        if spent:
+            self.tenants.charge(tenant, spent, trio.current_time())
+
+    def _tenant_admit(self, key: ApiKey, band: Band) -> None:
+        """The tenant's band ceiling (403) and its requests and tokens per minute (429)."""
+        limits = key.limits
+        if limits is None:
+            return
+        tenant = key.tenant
+        refused: Refused | None = None
+        if limits.max_band is not None:
+            if limits.max_band in self._ranks:
+                refused = ceiling(tenant, band.name, limits.max_band, self._ranks)
+            elif (tenant, limits.max_band) not in self._unknown_ceilings:
+                self._unknown_ceilings.add((tenant, limits.max_band))
+                log.warning(
+                    "tenant %s: its highest band %r is not a configured band (the bands "
+                    "are %s); no band ceiling for it",
+                    tenant,
+                    limits.max_band,
+                    ", ".join(self._bands),
+                )
+        if refused is None:
+            refused = self.tenants.admit(tenant, limits, trio.current_time())
+        if refused is None:
+            return
+        self.metrics.tenant_refused(tenant, refused.reason)
+        if refused.reason == "band":
+            raise HttpError(403, refused.message, type="permission_error", code="band_not_allowed")
+        seconds = refused.retry_after_s
+        raise HttpError(
+            429,
+            refused.message,
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers=((b"retry-after", b"%d" % seconds),) if seconds is not None else (),
+        )
 
     async def _list_models(self, scope: Scope, send: Send, ex: _Exchange) -> None:
         key = await self._authenticate(scope)
@@ -743,7 +842,17 @@ class Router:
                 type="authentication_error",
                 code="missing_api_key",
             )
-        key = await self.keys.lookup(token)
+        try:
+            key = await self.keys.lookup(token)
+        except LlmgwError as exc:
+            log.warning("cannot check an API key: %s", exc)
+            raise HttpError(
+                503,
+                f"the API key cannot be checked now (the key store is unreachable: {exc})",
+                type="server_error",
+                code="key_store_unavailable",
+                headers=((b"retry-after", b"5"),),
+            ) from None
         if key is None:
             raise HttpError(
                 401,
@@ -874,6 +983,10 @@ class Router:
             request, name = self._parse(body, route.required)
             stream = request.get("stream") is True
             ex.prompt = self._prompt(scope["path"], request)
+            if stream and not explaining:
+                asked = _surface.ask_usage(scope["path"], request)
+                if asked is not None:
+                    body, ex.strip_usage = asked, True
         affinity = None
         if self._affinity is not None:
             for hname, value in scope["headers"]:
@@ -898,6 +1011,8 @@ class Router:
             )
         band = self._band(scope, key)
         ex.band = band.name
+        self._tenant_admit(key, band)
+        ex.tenant, ex.key_id = key.tenant, key.key_id
         if not model.endpoints:
             raise _no_replica(name)
 
@@ -1187,6 +1302,8 @@ class Router:
                 ex.report = report = _surface.cache_report(data)
                 if report is not None:
                     self.metrics.tokens(ex.model, report.prompt_tokens, report.completion_tokens)
+                    ex.prompt_tokens = report.prompt_tokens
+                    ex.completion_tokens = report.completion_tokens
             ex.responded = True
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             ex.complete = True
@@ -1196,6 +1313,7 @@ class Router:
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         first = True
         tally = _surface.StreamUsage()
+        strip = _surface.UsageStrip() if ex.strip_usage else None
         while True:
             try:
                 chunk = await resp.next_chunk()
@@ -1220,22 +1338,32 @@ class Router:
                 first = False
                 ex.ttft = trio.current_time() - start
                 sent.answering()
-            if b'"usage"' in chunk:
-                self.metrics.tokens(ex.model, *tally.add(chunk))
-                ex.report = _surface.cache_report(chunk) or ex.report
-            elif b'"timings"' in chunk:
-                ex.report = _surface.cache_report(chunk) or ex.report
+            seen = chunk
+            if strip is not None:  # whole events only; the usage-only one taken out
+                chunk, removed = strip.feed(chunk)
+                seen = chunk + removed if removed else chunk
+            if b'"usage"' in seen:
+                prompt, completion = tally.add(seen)
+                self.metrics.tokens(ex.model, prompt, completion)
+                ex.prompt_tokens = tally.prompt
+                ex.completion_tokens = tally.completion
+                ex.report = _surface.cache_report(seen) or ex.report
+            elif b'"timings"' in seen:
+                ex.report = _surface.cache_report(seen) or ex.report
             if resp.done:
                 state.breaker.complete(trio.current_time())
                 ex.complete = True
+                if strip is not None:
+                    chunk += strip.end()
                 await send({"type": "http.response.body", "body": chunk})
                 return None
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
         state.breaker.complete(trio.current_time())
         ex.complete = True
-        await send({"type": "http.response.body", "body": b""})
+        rest = strip.end() if strip is not None else b""
+        await send({"type": "http.response.body", "body": rest})
         return None
-
 
 
 def _nests_deeper(body: bytes, limit: int) -> bool:

@@ -539,8 +539,9 @@ async def _requests(
 
 async def _refuse(stream: trio.SocketStream, status: int, reason: str) -> None:
     """Answer a request that cannot be served, then the caller closes."""
-    with trio.move_on_after(1), contextlib.suppress(
-        trio.BrokenResourceError, trio.ClosedResourceError, OSError
+    with (
+        trio.move_on_after(1),
+        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
     ):
         await stream.send_all(_error_response(status, reason))
         with contextlib.suppress(OSError):

@@ -130,3 +130,41 @@ async def test_priority_band_header_is_capped_by_the_key(
         text = r.metrics_text()
         assert sample(text, "llmgw_router_requests_total", band="batch", status="200") == 2.0
         assert sample(text, "llmgw_router_requests_total", band="interactive", status="200") is None
+
+
+async def test_a_known_key_outlives_a_store_outage_and_an_unknown_one_is_503(
+    start_engine: Callable[..., FakeEngine],
+) -> None:
+    """The store down (PostgreSQL gone): keys this router has seen keep working past the
+    cache's TTL; a secret it has never seen cannot be checked: 503 with Retry-After, not
+    a 500 and not a 401 (the key may well be valid)."""
+    from llmgw.errors import DeadlineExceeded
+
+    key = ApiKey("k1", "acme", None, "interactive", "interactive", 0.0)
+
+    class FlakyStore(StaticKeys):
+        down = False
+
+        async def lookup(self, secret: str) -> ApiKey | None:
+            if self.down:
+                raise DeadlineExceeded("store postgresql://db:5432/llmgw: no answer within 10 s")
+            return await super().lookup(secret)
+
+    store = FlakyStore([("llmgw-known", key)])
+    cached = CachedKeys(store, ttl_s=0.0)  # every lookup goes to the store
+    fe = start_engine("chat")
+    body = {"model": "chat", "messages": [{"role": "user", "content": "x"}]}
+    async with serve_router([fe.endpoint()], keys=cached) as r, httpx.AsyncClient(timeout=30) as h:
+        url = r.base_url + "/chat/completions"
+        known = {"Authorization": "Bearer llmgw-known"}
+        assert (await h.post(url, headers=known, json=body)).status_code == 200
+        store.down = True
+        assert (await h.post(url, headers=known, json=body)).status_code == 200
+        assert cached.statistics()["stale_served"] == 1
+        unknown = await h.post(url, headers={"Authorization": "Bearer llmgw-new"}, json=body)
+        assert unknown.status_code == 503, unknown.text
+        assert unknown.headers["retry-after"] == "5"
+        assert unknown.json()["error"]["code"] == "key_store_unavailable"
+        assert "no answer within 10 s" in unknown.json()["error"]["message"]
+        store.down = False
+        assert (await h.post(url, headers=known, json=body)).status_code == 200

@@ -1,0 +1,362 @@
+"""Usage: the meter (sums, batches, a failing sink), and the usage chunk the router asks
+for and takes out again, on recorded llama-server streams and through a real router."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import hypercorn.config
+import hypercorn.trio
+import pytest
+import trio
+from helpers import FIXTURES
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.router._surface import UsageStrip, ask_usage
+from llmgw.router._types import Endpoint
+from llmgw.router._usage import UsageMeter, UsageRow
+from llmgw.testing.cluster import free_port
+from router.conftest import SECRET_A, SECRET_B, sample, serve_router
+
+ASKED = (FIXTURES / "llama-server-chat-stream-include-usage.sse").read_bytes()
+NOT_ASKED = (FIXTURES / "llama-server-chat-stream-no-usage.sse").read_bytes()
+COMPLETIONS = (FIXTURES / "llama-server-completions-stream-no-usage.sse").read_bytes()
+HOUR = 3600
+
+
+class Sink:
+    def __init__(self, fail: int = 0) -> None:
+        self.batches: list[list[UsageRow]] = []
+        self.fail = fail  # calls to fail before succeeding
+
+    async def add_usage(self, rows: Iterable[UsageRow]) -> None:
+        await trio.lowlevel.checkpoint()
+        if self.fail:
+            self.fail -= 1
+            raise OSError("the store is down")
+        self.batches.append(list(rows))
+
+
+def totals(rows: Iterable[UsageRow]) -> dict[tuple[int, str, str, str], tuple[int, int, int]]:
+    out: dict[tuple[int, str, str, str], tuple[int, int, int]] = {}
+    for r in rows:
+        key = (r.hour, r.tenant, r.key_id, r.model)
+        n, p, c = out.get(key, (0, 0, 0))
+        out[key] = (n + r.requests, p + r.prompt_tokens, c + r.completion_tokens)
+    return out
+
+
+# --- the meter ------------------------------------------------------------------------
+
+
+def test_the_meter_sums_per_hour_tenant_key_and_model() -> None:
+    meter = UsageMeter()
+    t0 = 1_800_000_000.0  # 3600 * 500000
+    meter.add(t0 + 5, "acme", "key-1", "chat", 10, 3)
+    meter.add(t0 + 3599, "acme", "key-1", "chat", 7, 2)
+    meter.add(t0 + 3600, "acme", "key-1", "chat", 1, 1)  # the next hour
+    meter.add(t0 + 10, "acme", "key-2", "chat", 4, None)  # no completion figure: 0
+    meter.add(t0 + 10, "beta", "key-3", "embed", None, None)  # an error answer: a request
+    assert meter.pending() == [
+        UsageRow(int(t0), "acme", "key-1", "chat", 2, 17, 5),
+        UsageRow(int(t0), "acme", "key-2", "chat", 1, 4, 0),
+        UsageRow(int(t0), "beta", "key-3", "embed", 1, 0, 0),
+        UsageRow(int(t0) + HOUR, "acme", "key-1", "chat", 1, 1, 1),
+    ]
+
+
+async def test_the_meter_flushes_in_batches_and_empties() -> None:
+    meter = UsageMeter(batch_rows=2)
+    for i in range(5):
+        meter.add(0.0, "acme", f"key-{i}", "chat", i, 2 * i)
+    sink = Sink()
+    assert await meter.flush(sink) == 5
+    assert [len(b) for b in sink.batches] == [2, 2, 1]
+    assert totals(r for b in sink.batches for r in b) == {
+        (0, "acme", f"key-{i}", "chat"): (1, i, 2 * i) for i in range(5)
+    }
+    assert meter.pending() == []
+    assert await meter.flush(sink) == 0 and len(sink.batches) == 3  # nothing: no call
+
+
+async def test_a_failed_flush_keeps_its_rows_and_adds_what_came_meanwhile() -> None:
+    meter = UsageMeter(batch_rows=2)
+    for i in range(3):
+        meter.add(0.0, "acme", f"key-{i}", "chat", 10, 1)
+    sink = Sink(fail=1)
+    with pytest.raises(OSError, match="the store is down"):
+        await meter.flush(sink)
+    assert sink.batches == [] and meter.statistics()["failures"] == 1
+    meter.add(0.0, "acme", "key-0", "chat", 5, 5)  # while the store was down
+    assert await meter.flush(sink) == 3
+    assert totals(r for b in sink.batches for r in b) == {
+        (0, "acme", "key-0", "chat"): (2, 15, 6),
+        (0, "acme", "key-1", "chat"): (1, 10, 1),
+        (0, "acme", "key-2", "chat"): (1, 10, 1),
+    }
+
+
+async def test_a_flush_failing_midway_resends_only_what_was_not_taken() -> None:
+    meter = UsageMeter(batch_rows=1)
+    meter.add(0.0, "acme", "key-0", "chat", 1, 1)
+    meter.add(0.0, "acme", "key-1", "chat", 2, 2)
+
+    class SecondFails(Sink):
+        async def add_usage(self, rows: Iterable[UsageRow]) -> None:
+            if len(self.batches) == 1 and not getattr(self, "failed", False):
+                self.failed = True
+                raise OSError("lost the connection")
+            await super().add_usage(rows)
+
+    sink = SecondFails()
+    with pytest.raises(OSError):
+        await meter.flush(sink)
+    assert meter.pending() == [UsageRow(0, "acme", "key-1", "chat", 1, 2, 2)]
+    await meter.flush(sink)
+    assert totals(r for b in sink.batches for r in b) == {
+        (0, "acme", "key-0", "chat"): (1, 1, 1),
+        (0, "acme", "key-1", "chat"): (1, 2, 2),
+    }
+
+
+def test_the_meter_is_bounded_and_counts_what_it_drops() -> None:
+    meter = UsageMeter(max_rows=3)
+    for i in range(5):
+        meter.add(0.0, "acme", f"key-{i}", "chat", 1, 1)
+    assert meter.add(0.0, "acme", "key-0", "chat", 1, 1)  # an existing row still adds
+    assert len(meter.pending()) == 3
+    assert meter.statistics()["dropped"] == 2
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0, 10 * HOUR, allow_nan=False),
+            st.sampled_from(["a", "b"]),
+            st.sampled_from(["k1", "k2"]),
+            st.sampled_from(["m1", "m2"]),
+            st.integers(0, 10_000) | st.none(),
+            st.integers(0, 10_000) | st.none(),
+        ),
+        max_size=50,
+    )
+)
+def test_the_meter_loses_and_invents_nothing(adds: list[Any]) -> None:
+    meter = UsageMeter()
+    for a in adds:
+        meter.add(*a)
+    rows = meter.pending()
+    assert sum(r.requests for r in rows) == len(adds)
+    assert sum(r.prompt_tokens for r in rows) == sum(a[4] or 0 for a in adds)
+    assert sum(r.completion_tokens for r in rows) == sum(a[5] or 0 for a in adds)
+    assert all(r.hour % HOUR == 0 for r in rows)
+
+
+# --- asking for the usage chunk --------------------------------------------------------
+
+
+def test_usage_is_asked_only_for_streams_that_did_not_ask() -> None:
+    chat: dict[str, Any] = {"model": "m", "messages": [], "stream": True}
+    asked = ask_usage("/v1/chat/completions", chat)
+    assert asked is not None
+    assert json.loads(asked) == {**chat, "stream_options": {"include_usage": True}}
+    other = {**chat, "stream_options": {"include_usage": False, "x": 1}}
+    assert json.loads(ask_usage("/v1/completions", other) or b"") == {
+        **chat,
+        "stream_options": {"include_usage": True, "x": 1},
+    }
+    yes = {**chat, "stream_options": {"include_usage": True}}
+    assert ask_usage("/v1/chat/completions", yes) is None  # it asked: the body as it came
+    assert ask_usage("/v1/chat/completions", {**chat, "stream": False}) is None
+    assert ask_usage("/v1/messages", chat) is None  # Anthropic's stream always says
+    assert ask_usage("/v1/chat/completions", {**chat, "stream_options": "x"}) is None
+
+
+# --- taking it out again ---------------------------------------------------------------
+
+
+def events(data: bytes) -> list[bytes]:
+    return [e for e in data.split(b"\n\n") if e]
+
+
+def expected_without_usage(stream: bytes) -> bytes:
+    kept = [e + b"\n\n" for e in events(stream) if b'"choices":[]' not in e]
+    return b"".join(kept)
+
+
+def strip_all(data: bytes, sizes: Iterable[int]) -> tuple[bytes, bytes]:
+    strip = UsageStrip()
+    out, removed, pos = [], [], 0
+    for n in sizes:
+        o, r = strip.feed(data[pos : pos + n])
+        out.append(o)
+        removed.append(r)
+        pos += n
+    o, r = strip.feed(data[pos:])
+    return b"".join(out) + o + strip.end(), b"".join(removed) + r
+
+
+def test_the_recorded_usage_chunk_is_the_only_event_taken_out() -> None:
+    out, removed = strip_all(ASKED, [])
+    assert out == expected_without_usage(ASKED)
+    assert len(events(ASKED)) - len(events(out)) == 1
+    assert json.loads(removed.removeprefix(b"data: "))["usage"] == {
+        "completion_tokens": 3,
+        "prompt_tokens": 25,
+        "total_tokens": 28,
+        "prompt_tokens_details": {"cached_tokens": 24},
+    }
+    assert out.endswith(b"data: [DONE]\n\n")
+    # A stream that carries usage in a choice's event (llama-server's completions) and
+    # one with no usage pass through unchanged.
+    assert strip_all(COMPLETIONS, []) == (COMPLETIONS, b"")
+    assert strip_all(NOT_ASKED, []) == (NOT_ASKED, b"")
+
+
+@given(st.data())
+def test_the_strip_is_the_same_however_the_stream_is_cut(data: st.DataObject) -> None:
+    stream = data.draw(st.sampled_from([ASKED, COMPLETIONS, ASKED.replace(b"\n\n", b"\r\n\r\n")]))
+    sizes = data.draw(st.lists(st.integers(0, 300), max_size=40))
+    assert strip_all(stream, sizes) == strip_all(stream, [])
+
+
+def test_the_strip_fed_byte_by_byte() -> None:
+    assert strip_all(ASKED, [1] * len(ASKED)) == strip_all(ASKED, [])
+
+
+# --- through the router ----------------------------------------------------------------
+
+
+class Replay:
+    """An engine that answers every streamed chat with a recorded llama-server stream:
+    the one with a usage chunk when the request asks for it, else the one without."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["path"] != "/v1/chat/completions":
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        request = json.loads(body)
+        self.bodies.append(request)
+        asked = (request.get("stream_options") or {}).get("include_usage") is True
+        stream = ASKED if asked else NOT_ASKED
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for event in events(stream):  # an event per write, as llama-server sends them
+            await send({"type": "http.response.body", "body": event + b"\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+
+@asynccontextmanager
+async def replay_engine() -> AsyncIterator[tuple[Replay, int]]:
+    app = Replay()
+    port = free_port()
+    config = hypercorn.config.Config()
+    config.bind = [f"127.0.0.1:{port}"]
+    config.accesslog = None
+    config.graceful_timeout = 0.2
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(hypercorn.trio.serve, app, config))
+        yield app, port
+        nursery.cancel_scope.cancel()
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        **extra,
+    }
+
+
+async def test_a_client_that_did_not_ask_gets_no_usage_chunk_and_one_that_did_gets_it() -> None:
+    async with replay_engine() as (engine, port):
+        endpoint = Endpoint("tiny@replay", "tiny", "llama-server", "127.0.0.1", port, None)
+        async with (
+            serve_router([endpoint], run=False) as r,
+            httpx.AsyncClient(timeout=30) as h,
+        ):
+            url = r.base_url + "/chat/completions"
+            auth_a = {"Authorization": f"Bearer {SECRET_A}"}
+            auth_b = {"Authorization": f"Bearer {SECRET_B}"}
+            plain = await h.post(url, headers=auth_a, json=chat())
+            asked = await h.post(
+                url, headers=auth_b, json=chat(stream_options={"include_usage": True})
+            )
+            # The router asked the engine both times...
+            assert [b["stream_options"] for b in engine.bodies] == [{"include_usage": True}] * 2
+            assert "stream_options" not in chat()
+            # ...and the client that did not ask sees the stream without that event;
+            assert plain.status_code == 200
+            assert plain.content == expected_without_usage(ASKED)
+            assert b'"usage"' not in plain.content
+            # the client that asked gets the engine's bytes as they were.
+            assert asked.status_code == 200
+            assert asked.content == ASKED
+            # Both answers are counted from the engine's usage chunk (once each has ended).
+            with trio.fail_after(10):
+                while sum(x.requests for x in r.router.meter.pending()) < 2:
+                    await trio.sleep(0.01)
+            rows = r.router.meter.pending()
+            assert [(x.tenant, x.requests, x.prompt_tokens, x.completion_tokens) for x in rows] == [
+                ("tenant-a", 1, 25, 3),
+                ("tenant-b", 1, 25, 3),
+            ]
+            text = r.metrics_text()
+            assert sample(text, "llmgw_tenant_tokens_total", tenant="tenant-a", kind="prompt") == 25
+            assert (
+                sample(text, "llmgw_tenant_tokens_total", tenant="tenant-a", kind="completion") == 3
+            )
+            assert sample(text, "llmgw_tenant_requests_total", tenant="tenant-b") == 1
+
+
+# --- the router's flush ----------------------------------------------------------------
+
+
+async def test_the_router_flushes_on_its_interval_retries_a_failure_and_flushes_at_exit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from llmgw.router._keys import StaticKeys
+    from llmgw.router._router import Router, RouterConfig
+    from llmgw.router._types import StaticEndpoints
+
+    sink = Sink(fail=1)
+    router = Router(
+        RouterConfig(usage_flush_s=5.0), StaticEndpoints([]), StaticKeys([]), usage=sink
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(router.run)
+        router.meter.add(0.0, "acme", "key-1", "chat", 10, 2)
+        await trio.sleep(5.5)  # the first flush fails: the row is kept
+        assert sink.batches == [] and router.meter.statistics()["failures"] == 1
+        router.meter.add(0.0, "acme", "key-1", "chat", 1, 1)
+        await trio.sleep(5.0)  # the next one sends both
+        assert sink.batches == [[UsageRow(0, "acme", "key-1", "chat", 2, 11, 3)]]
+        router.meter.add(0.0, "beta", "key-2", "chat", 7, 7)
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()  # stopping: flushed once more, before the interval
+    assert sink.batches[-1] == [UsageRow(0, "beta", "key-2", "chat", 1, 7, 7)]
+    assert router.meter.pending() == []
