@@ -336,7 +336,16 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def postgres_server() -> Iterator[str]:
     """A real PostgreSQL on a free loopback port with password auth, a role and a database
-    `llmgw` in a fresh data directory; yields its DSN and removes everything after.
+    `llmgw` in a fresh data directory; yields its DSN and removes everything after."""
+    with postgres_admin(create_user=True) as (_, dsn):
+        assert dsn is not None
+        yield dsn
+
+
+@contextlib.contextmanager
+def postgres_admin(*, create_user: bool = False) -> Iterator[tuple[str, str | None]]:
+    """As `postgres_server`, yielding (the superuser `admin`'s DSN on database postgres,
+    the `llmgw` role's DSN, or None when `create_user` is false and nothing was made).
 
     PostgreSQL refuses to run as root, and tests here run as root: initdb and the server
     then run as `nobody`, which owns the data directory. The directory is a private
@@ -403,9 +412,11 @@ def postgres_server() -> Iterator[str]:
                     raise
                 time.sleep(0.1)  # pg_ctl -w already waited; this covers a slow first accept
         with conn:
-            conn.execute(f"CREATE ROLE llmgw LOGIN PASSWORD '{user_pw}'")
-            conn.execute("CREATE DATABASE llmgw OWNER llmgw")
-        yield f"postgresql://llmgw:{user_pw}@127.0.0.1:{port}/llmgw"
+            if create_user:
+                conn.execute(f"CREATE ROLE llmgw LOGIN PASSWORD '{user_pw}'")
+                conn.execute("CREATE DATABASE llmgw OWNER llmgw")
+        user = f"postgresql://llmgw:{user_pw}@127.0.0.1:{port}/llmgw"
+        yield admin, (user if create_user else None)
     finally:
         if started:
             subprocess.run(

@@ -66,6 +66,7 @@ class AgentServant:
 
     def _fence(self, epoch: int) -> None:
         if epoch < self.newest_epoch:
+            log.warning("refused a command from epoch %d: epoch %d seen", epoch, self.newest_epoch)
             # Travels as its own code ("stale-epoch"): the control plane learns
             # it is no longer the leader, not that a registration was refused.
             raise StaleEpoch(

@@ -3,7 +3,8 @@
 Connect, register with the whole inventory and every shard, heartbeat, and
 when anything breaks, reconnect: every address in turn, then a jittered
 exponential backoff, forever. A standby's refusal moves on at once (to the
-leader it names, when it names one).
+leader it names, when it names one), except back to a control plane whose session
+was just lost: the standby is asked again until it has taken over.
 
 `hello_inventory` is asked for the inventory at every registration; the
 agent's (`Node.hello_inventory`) discovers once per process and answers later
@@ -31,6 +32,11 @@ from llmgw.errors import Disconnected, PeerError, RegistrationRefused, RemoteErr
 from llmgw.rpc import CapnpThread, ClientConnection, SessionHandle
 
 log = logging.getLogger("llmgw.agent.session")
+
+# A control plane whose session was lost this recently is not dialled again while another
+# address may answer (see AgentSession._round); longer than a lease plus a retry (lease_s
+# defaults to 10 s), short enough that a blip costs no more than this.
+LOST_RECENTLY_S = 20.0
 
 
 @attrs.frozen
@@ -85,6 +91,8 @@ class AgentSession:
         self.progress_sent = 0
         # The last registration: where it dialled and what it was told (the mirror's port).
         self.control_plane: tuple[str, int, model.Settings] | None = None
+        # When a registered session with each address ended (trio clock): see _round.
+        self._lost_at: dict[tuple[str, int], float] = {}
 
     def notify_shard(self, report: model.ShardReport) -> None:
         """A shard changed: tell the control plane now if connected, else at registration."""
@@ -104,11 +112,24 @@ class AgentSession:
             f"registrations={self.registrations}>"
         )
 
+    def _round(self, now: float) -> list[tuple[str, int]]:
+        """The addresses to try in this round: a control plane whose session was lost
+        less than LOST_RECENTLY_S ago is left out while there is another to try, so a
+        standby that still names it (its lease not yet lapsed) does not send the agent
+        back to a leader that stopped answering (SIGSTOP, a partition): the standby is
+        asked again after a backoff, and takes over once the lease lapses."""
+        fresh = [
+            a
+            for a in self.addresses
+            if now - self._lost_at.get(a, -LOST_RECENTLY_S) >= LOST_RECENTLY_S
+        ]
+        return fresh or list(self.addresses)
+
     async def run(self, bridge: CapnpThread) -> None:
         """Stay registered until cancelled."""
         attempt = 0
         while True:
-            queue = list(self.addresses)
+            queue = self._round(trio.current_time())
             tried: set[tuple[str, int]] = set()
             while queue:
                 host, port = queue.pop(0)
@@ -122,7 +143,19 @@ class AgentSession:
                     self._complain(f"control plane {host}:{port} refused registration: {exc}")
                     if exc.leader:
                         leader = _parse_address(exc.leader)
-                        if leader is not None:
+                        lost_at = self._lost_at.get(leader) if leader is not None else None
+                        if lost_at is not None and (
+                            trio.current_time() - lost_at < LOST_RECENTLY_S
+                        ):
+                            log.info(
+                                "%s:%s names %s as the leader, whose session was lost "
+                                "%.0f s ago: asking again after a pause",
+                                host,
+                                port,
+                                exc.leader,
+                                trio.current_time() - lost_at,
+                            )
+                        elif leader is not None:
                             queue.insert(0, leader)
                 except TlsRefused as exc:
                     self._complain(str(exc), logging.ERROR)
@@ -182,6 +215,7 @@ class AgentSession:
             try:
                 await self._heartbeats(conn, session, settings)
             finally:
+                self._lost_at[(host, port)] = trio.current_time()
                 session.release()
                 self.connected = trio.Event()
 

@@ -10,15 +10,17 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
+import attrs
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -26,15 +28,18 @@ from llmgw import config, engines, model
 from llmgw.cp import _holdings, _node_logs
 from llmgw.cp._catalog_file import CatalogFile
 from llmgw.cp._events import Event, Failure
+from llmgw.cp._leader import LeaderView
 from llmgw.cp._reconciler import Reconciler, Unplaced
 from llmgw.cp._registry import FetchProgress, NodeRecord, NodeRegistry
 from llmgw.cp._shards import manual_shard, ports_taken
+from llmgw.cp._store import Account, AuditEntry, Store
 from llmgw.errors import (
     ConfigError,
     DeadlineExceeded,
     LlmgwError,
     NotFound,
     PeerError,
+    StaleEpoch,
     UsageError,
 )
 from llmgw.router import HttpError as RouterHttpError
@@ -90,6 +95,13 @@ class Explainer(Protocol):
     def explain(self, model: str, path: str, request: dict[str, Any]) -> dict[str, Any]: ...
 
 
+class LeaderSource(Protocol):
+    """Leadership as the admin API needs it (llmgw/cp/_leader.py `Leadership`)."""
+
+    def may_act(self) -> bool: ...
+    def view(self) -> LeaderView: ...
+
+
 class AdminApp:
     def __init__(
         self,
@@ -101,8 +113,18 @@ class AdminApp:
         keys: KeyStore | None = None,
         metrics: CollectorRegistry | None = None,
         router: Explainer | None = None,
+        store: Store | None = None,
+        bands: Mapping[str, int] | None = None,
     ) -> None:
         self._registry = registry
+        # Whether this control plane leads (llmgw/cp/_leader.py), set by llmgw/cp/_main.py;
+        # None: it always does (tests). On a standby every non-GET call answers 409.
+        self.leadership: LeaderSource | None = None
+        # Accounts, usage and the audit log (llmgw/cp/_store.py); None: none kept here.
+        self._store = store
+        # The router's priority bands, name -> rank (0 is the highest): what a tenant's or
+        # a key's max_band may name. None: not checked here (no router configured).
+        self._bands = dict(bands) if bands is not None else None
         self._router = router
         self._keys = keys
         self._metrics = metrics
@@ -143,6 +165,13 @@ class AdminApp:
             ("GET", re.compile(r"^/api/v1/keys$"), self._keys_list),
             ("POST", re.compile(r"^/api/v1/keys$"), self._keys_create),
             ("DELETE", re.compile(r"^/api/v1/keys/(?P<key_id>[^/]+)$"), self._keys_revoke),
+            ("GET", re.compile(r"^/api/v1/tenants$"), self._tenants_list),
+            ("POST", re.compile(r"^/api/v1/tenants$"), self._tenants_create),
+            ("GET", re.compile(r"^/api/v1/tenants/(?P<tenant>[^/]+)$"), self._tenants_get),
+            ("PATCH", re.compile(r"^/api/v1/tenants/(?P<tenant>[^/]+)$"), self._tenants_set),
+            ("DELETE", re.compile(r"^/api/v1/tenants/(?P<tenant>[^/]+)$"), self._tenants_delete),
+            ("GET", re.compile(r"^/api/v1/usage$"), self._usage),
+            ("GET", re.compile(r"^/api/v1/audit$"), self._audit_list),
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -176,11 +205,19 @@ class AdminApp:
         if not self._authorised(scope):
             await _error(send, 401, "an admin key is needed: Authorization: Bearer <key>")
             return
+        if path == "/api/v1/leader" and method == "GET":
+            await _json(send, 200, self._leader_json())
+            return
+        leadership = self.leadership
+        if method not in ("GET", "HEAD") and leadership is not None and not leadership.may_act():
+            # A standby serves the API read-only; the operator is told where to write.
+            await _json(send, 409, self._standby_refusal())
+            return
         for route_method, pattern, handler in self._routes:
             match = pattern.match(path)
             if match and route_method == method:
                 try:
-                    body = await _read_json(receive) if method in ("POST", "PUT") else None
+                    body = await _read_json(receive) if method in ("POST", "PUT", "PATCH") else None
                     query = dict(parse_qsl(scope.get("query_string", b"").decode()))
                     status, result = await handler(body=body, query=query, **match.groupdict())
                 except HttpError as exc:
@@ -192,6 +229,11 @@ class AdminApp:
                 except (UsageError, ConfigError) as exc:
                     await _error(send, 400, str(exc))
                     return
+                except StaleEpoch as exc:
+                    # The agent knows a newer leader: counted, and this one steps down.
+                    self._registry.stale_epoch(match.groupdict().get("node") or "?", exc)
+                    await _error(send, 409, f"the agent refused this command as stale: {exc}")
+                    return
                 except PeerError as exc:
                     await _error(send, 502, f"the agent answered: {exc}")
                     return
@@ -201,6 +243,28 @@ class AdminApp:
                 await _json(send, status, result)
                 return
         await _error(send, 404, f"no such API route: {method} {path}")
+
+    # leadership (llmgw/cp/_leader.py) ---------------------------------------------------
+
+    def _leader_json(self) -> dict[str, Any]:
+        """`GET /api/v1/leader`: this control plane's role, epoch, the leader's and its own
+        addresses; without a Leadership (tests, a bare app) a single leader at its epoch."""
+        if self.leadership is None:
+            body: dict[str, Any] = {
+                "role": "single", "epoch": self._registry.epoch, "leader": None, "me": None,
+                "lease_s": None,
+            }  # fmt: skip
+        else:
+            body = self.leadership.view().json()
+        body["commands_refused_stale"] = self._registry.commands_refused_stale
+        return body
+
+    def _standby_refusal(self) -> dict[str, Any]:
+        view = self.leadership.view() if self.leadership is not None else None
+        leader = view.leader if view is not None else None
+        if leader is None:
+            return {"error": "standby; no leader yet: try again in a few seconds", "leader": None}
+        return {"error": f"standby; leader is {leader.describe()}", "leader": leader.json()}
 
     def _authorised(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
@@ -614,12 +678,16 @@ class AdminApp:
         if self._registry.record(node) is None:
             raise HttpError(404, f"no node {node!r} has registered")
         self._registry.cordon(node, request.get("reason"))
+        await self._saved(node, "cordoned")
+        await self._audit("cordon", f"{node}: {self._registry.cordoned[node]}")
         return 200, {"cordoned": node}
 
     async def _uncordon(self, node: str, **_: Any) -> tuple[int, Any]:
         lifted = self._registry.uncordon(node)
         if not lifted:
             raise HttpError(404, f"node {node!r} is neither cordoned nor draining")
+        await self._saved(node, "uncordoned")
+        await self._audit("uncordon", f"{node}: lifted {', '.join(lifted)}")
         return 200, {"uncordoned": node, "lifted": lifted}
 
     async def _drain(self, node: str, body: Any, **_: Any) -> tuple[int, Any]:
@@ -627,6 +695,8 @@ class AdminApp:
         if self._registry.record(node) is None:
             raise HttpError(404, f"no node {node!r} has registered")
         self._registry.drain(node, request.get("reason"))  # its listeners wake the reconciler
+        await self._saved(node, "draining")
+        await self._audit("drain", f"{node}: {self._registry.draining[node]}")
         return 200, {"draining": node}
 
     async def _forget(self, node: str, **_: Any) -> tuple[int, Any]:
@@ -638,6 +708,8 @@ class AdminApp:
                 "cannot be forgotten; stop its agent first (drain it to move its replicas)",
             )
         was = self._registry.forget(node)  # NotFound (404) when it is not known at all
+        await self._saved(node, "forgotten")
+        await self._audit("forget", f"{node}: it was {was}")
         return 200, {"forgotten": node, "was": was}
 
     async def _history(self, node: str, **_: Any) -> tuple[int, Any]:
@@ -650,6 +722,36 @@ class AdminApp:
             raise HttpError(404, f"no node {node!r} has a history here: it has not registered")
         return 200, view
 
+    # the store: what an operator did ----------------------------------------------------
+
+    async def _saved(self, node: str, what: str) -> None:
+        """The operator's override is in the store before the API answers."""
+        try:
+            await self._registry.flush()
+        except LlmgwError as exc:
+            raise HttpError(
+                503,
+                f"node {node} is {what} on this control plane but not yet saved in the store "
+                f"({exc}); it is retried, and lost if this control plane restarts first",
+            ) from None
+
+    async def _audit(self, action: str, detail: str) -> None:
+        if self._store is not None:
+            await self._store.audit("admin", action, detail)
+
+    async def _audit_list(self, query: dict[str, str], **_: Any) -> tuple[int, Any]:
+        store = self._need_store()
+        raw = query.get("limit", "100")
+        if not raw.isdigit() or not 1 <= int(raw) <= AUDIT_LIMIT:
+            raise HttpError(400, f"limit: expected a whole number from 1 to {AUDIT_LIMIT}, "
+                                 f"got {raw!r}")  # fmt: skip
+        return 200, {"entries": [_audit_json(e) for e in await store.recent_audit(int(raw))]}
+
+    def _need_store(self) -> Store:
+        if self._store is None:
+            raise HttpError(404, "this control plane keeps no store")
+        return self._store
+
     # API keys ---------------------------------------------------------------------------
 
     def _need_keys(self) -> KeyStore:
@@ -657,35 +759,234 @@ class AdminApp:
             raise HttpError(404, "this control plane keeps no API keys")
         return self._keys
 
+    def _band_rank(self, what: str, band: str) -> int | None:
+        """The rank of a configured band (0 is the highest); a band not configured is
+        refused, naming those that are. None when no bands are known here."""
+        if self._bands is None:
+            return None
+        if band not in self._bands:
+            known = ", ".join(sorted(self._bands, key=self._bands.__getitem__))
+            raise HttpError(400, f"{what}: no band {band!r}; the router's bands are {known}")
+        return self._bands[band]
+
     async def _keys_list(self, **_: Any) -> tuple[int, Any]:
         keys = await self._need_keys().list()
-        return 200, {"keys": [_key_json(k) for k in keys]}
+        now = time.time()
+        return 200, {"keys": [_key_json(k, now) for k in keys]}
 
     async def _keys_create(self, body: Any, **_: Any) -> tuple[int, Any]:
         request = _expect(
             body,
             {"tenant": str},
-            {"models": list, "default_band": str, "max_band": str, "name": str},
-        )
+            {"models": list, "default_band": str, "max_band": str, "name": str,
+             "expires_at": object},
+        )  # fmt: skip
+        keys = self._need_keys()
+        tenant = request["tenant"]
+        if not _NAME.match(tenant):
+            raise HttpError(400, f"tenant: {tenant[:80]!r} is not a tenant name ({_NAME_RULE})")
+        default_band = request.get("default_band", "interactive")
+        default_rank = self._band_rank("default_band", default_band)
+        max_band = request.get("max_band")
+        if max_band is not None:
+            self._band_rank("max_band", max_band)
+        expires_at = request.get("expires_at")
+        now = time.time()
+        if expires_at is not None and (
+            not isinstance(expires_at, (int, float))
+            or isinstance(expires_at, bool)
+            or not math.isfinite(expires_at)
+            or expires_at <= now
+        ):
+            raise HttpError(400, f"expires_at: {expires_at!r} is not a time in the future, in "
+                                 f"seconds since the epoch (now is {now:.0f})")  # fmt: skip
+        created = False
+        if self._store is not None:
+            account = await self._store.get_account(tenant)
+            if account is None:
+                # Keys for a new tenant make its account, with no limits (and say so).
+                await self._store.create_account(Account(tenant))
+                await self._audit("tenant create", f"{tenant}: no limits (with its first key)")
+                created = True
+            elif account.max_band is not None:
+                cap = self._band_rank("tenant max_band", account.max_band)
+                if max_band is not None:
+                    asked = self._band_rank("max_band", max_band)
+                    if cap is not None and asked is not None and asked < cap:
+                        raise HttpError(
+                            400,
+                            f"max_band {max_band!r} is above tenant {tenant}'s highest band "
+                            f"{account.max_band!r}; ask for {account.max_band!r} or lower, or "
+                            f"raise the tenant's (llmgw ctl tenants set {tenant} --max-band ...)",
+                        )
+                elif cap is not None and default_rank is not None and default_rank < cap:
+                    max_band = account.max_band  # the key asks for less than its tenant may
         models = request.get("models")
-        key, secret = await self._need_keys().create(
-            tenant=request["tenant"],
+        key, secret = await keys.create(
+            tenant=tenant,
             models=[str(m) for m in models] if models is not None else None,
-            default_band=request.get("default_band", "interactive"),
-            max_band=request.get("max_band"),
+            default_band=default_band,
+            max_band=max_band,
             name=request.get("name", ""),
+            expires_at=None if expires_at is None else float(expires_at),
         )
-        log.info("API key %s created for tenant %s", key.key_id, key.tenant)
-        return 201, {"key": _key_json(key), "secret": secret}
+        expiry = "never expires" if key.expires_at is None else f"expires at {key.expires_at:.0f}"
+        await self._audit("key create", f"{key.key_id} for tenant {tenant}; {expiry}")
+        return 201, {"key": _key_json(key, time.time()), "secret": secret,
+                     "tenant_created": created}  # fmt: skip
 
     async def _keys_revoke(self, key_id: str, **_: Any) -> tuple[int, Any]:
         if not await self._need_keys().revoke(key_id):
             raise HttpError(404, f"no API key {key_id!r}")
         log.info("API key %s revoked", key_id)
+        await self._audit("key revoke", key_id)
         return 200, {"revoked": key_id}
+
+    # tenants ----------------------------------------------------------------------------
+
+    def _limits(self, body: Any, *, partial: bool) -> dict[str, Any]:
+        """rpm, tpm (counts >= 0) and max_band (a configured band), each null for none."""
+        if not isinstance(body, dict):
+            raise HttpError(400, "the request body must be a JSON object")
+        problems = []
+        out: dict[str, Any] = {}
+        for field in ("rpm", "tpm"):
+            if field in body:
+                value = body[field]
+                if value is not None and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 0
+                ):
+                    problems.append(f"{field}: expected a count >= 0 or null, got {value!r}")
+                out[field] = value
+        if "max_band" in body:
+            band = body["max_band"]
+            if band is not None and not isinstance(band, str):
+                problems.append(f"max_band: expected a band name or null, got {band!r}")
+            out["max_band"] = band
+        allowed = {"rpm", "tpm", "max_band"} | (set() if partial else {"name"})
+        problems += [f"{k}: unknown field" for k in body if k not in allowed]
+        if problems:
+            raise HttpError(400, "; ".join(problems))
+        if isinstance(out.get("max_band"), str):
+            self._band_rank("max_band", out["max_band"])
+        return out
+
+    async def _tenant_json(
+        self, account: Account, keys: list[ApiKey] | None = None
+    ) -> dict[str, Any]:
+        """The tenant with its limits and how many usable keys it has (of `keys`, every
+        key, when given: a list of tenants reads them once)."""
+        if keys is None:
+            keys = await self._need_keys().list()
+        now = time.time()
+        keys = [k for k in keys if k.tenant == account.name]
+        return {
+            "name": account.name,
+            "rpm": account.rpm,
+            "tpm": account.tpm,
+            "max_band": account.max_band,
+            "created_at": account.created_at,
+            "keys": sum(k.usable(now) for k in keys),
+        }
+
+    async def _account(self, tenant: str) -> Account:
+        account = await self._need_store().get_account(unquote(tenant))
+        if account is None:
+            raise HttpError(404, f"no tenant {unquote(tenant)!r}")
+        return account
+
+    def _limits_changed(self) -> None:
+        # This process's router reads limits with its keys: make it read them again now
+        # (router workers in other processes: within their key cache's TTL).
+        invalidate = getattr(self._keys, "invalidate", None)
+        if invalidate is not None:
+            invalidate()
+
+    async def _tenants_list(self, **_: Any) -> tuple[int, Any]:
+        accounts = await self._need_store().list_accounts()
+        keys = await self._need_keys().list()
+        return 200, {"tenants": [await self._tenant_json(a, keys) for a in accounts]}
+
+    async def _tenants_get(self, tenant: str, **_: Any) -> tuple[int, Any]:
+        return 200, {"tenant": await self._tenant_json(await self._account(tenant))}
+
+    async def _tenants_create(self, body: Any, **_: Any) -> tuple[int, Any]:
+        store = self._need_store()
+        limits = self._limits(body, partial=False)
+        name = body.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise HttpError(400, f"name: {str(name)[:80]!r} is not a tenant name ({_NAME_RULE})")
+        if await store.get_account(name) is not None:
+            raise HttpError(409, f"tenant {name} exists; change its limits with "
+                                 f"`llmgw ctl tenants set {name}`")  # fmt: skip
+        account = await store.create_account(Account(name, **limits))
+        await self._audit("tenant create", f"{name}: {_limits_text(account)}")
+        return 201, {"tenant": await self._tenant_json(account)}
+
+    async def _tenants_set(self, tenant: str, body: Any, **_: Any) -> tuple[int, Any]:
+        store = self._need_store()
+        account = await self._account(tenant)
+        limits = self._limits(body, partial=True)
+        if not limits:
+            raise HttpError(400, "nothing to change: give rpm, tpm or max_band")
+        changed = attrs.evolve(account, **limits)
+        if not await store.update_account(changed):
+            raise HttpError(404, f"no tenant {account.name!r}")
+        self._limits_changed()
+        await self._audit("tenant set", f"{account.name}: {_limits_text(changed)}")
+        return 200, {"tenant": await self._tenant_json(changed)}
+
+    async def _tenants_delete(self, tenant: str, **_: Any) -> tuple[int, Any]:
+        store = self._need_store()
+        account = await self._account(tenant)
+        live = [k for k in await self._need_keys().list()
+                if k.tenant == account.name and not k.revoked]  # fmt: skip
+        if live:
+            raise HttpError(
+                409,
+                f"tenant {account.name} has {len(live)} unrevoked key"
+                f"{'s' if len(live) != 1 else ''} ({', '.join(k.key_id for k in live[:5])}"
+                f"{', ...' if len(live) > 5 else ''}); revoke them first "
+                "(llmgw ctl keys revoke KEY)",
+            )
+        await store.delete_account(account.name)
+        self._limits_changed()
+        await self._audit("tenant delete", account.name)
+        return 200, {"deleted": account.name}
+
+    # usage ------------------------------------------------------------------------------
+
+    async def _usage(self, query: dict[str, str], **_: Any) -> tuple[int, Any]:
+        store = self._need_store()
+        raw = query.get("since", str(USAGE_DEFAULT_SINCE_S))
+        try:
+            since = float(raw)
+        except ValueError:
+            since = -1.0
+        if not (since >= 0 and math.isfinite(since)):
+            raise HttpError(400, f"since: expected seconds ago (under {EPOCH_FROM:g}) or seconds "
+                                 f"since the epoch, got {raw!r}")  # fmt: skip
+        if since < EPOCH_FROM:
+            since = time.time() - since
+        rows = await store.usage(tenant=query.get("tenant") or None, since=since)
+        totals = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+        out = []
+        for r in rows:
+            out.append({"hour": r.hour, "tenant": r.tenant, "key_id": r.key_id, "model": r.model,
+                        "requests": r.requests, "prompt_tokens": r.prompt_tokens,
+                        "completion_tokens": r.completion_tokens})  # fmt: skip
+            totals["requests"] += r.requests
+            totals["prompt_tokens"] += r.prompt_tokens
+            totals["completion_tokens"] += r.completion_tokens
+        return 200, {"rows": out, "totals": totals}
 
 
 EVENTS_LIMIT = 1000
+AUDIT_LIMIT = 1000
+USAGE_DEFAULT_SINCE_S = 7 * 86400
+EPOCH_FROM = 1e9  # a `since` at least this is seconds since the epoch (2001), else seconds ago
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
+_NAME_RULE = "letters, digits and . _ @ -, starting with a letter or digit, at most 128"
 COLLECT_MAX_PATHS = 10_000
 
 
@@ -736,7 +1037,8 @@ def _failure_json(failure: Failure | None) -> dict[str, Any] | None:
     }
 
 
-def _key_json(key: ApiKey) -> dict[str, Any]:
+def _key_json(key: ApiKey, now: float) -> dict[str, Any]:
+    state = "revoked" if key.revoked else "active" if key.usable(now) else "expired"
     return {
         "key_id": key.key_id,
         "tenant": key.tenant,
@@ -746,7 +1048,22 @@ def _key_json(key: ApiKey) -> dict[str, Any]:
         "created_at": key.created_at,
         "revoked": key.revoked,
         "name": key.name,
+        "expires_at": key.expires_at,
+        "state": state,
     }
+
+
+def _audit_json(entry: AuditEntry) -> dict[str, Any]:
+    return {"seq": entry.seq, "at": entry.at, "actor": entry.actor, "action": entry.action,
+            "detail": entry.detail}  # fmt: skip
+
+
+def _limits_text(account: Account) -> str:
+    return ", ".join(
+        f"{name} {'none' if value is None else value}"
+        for name, value in (("rpm", account.rpm), ("tpm", account.tpm),
+                            ("max_band", account.max_band))
+    )  # fmt: skip
 
 
 ENGINES = ("vllm", "sglang", "llama-server")

@@ -14,11 +14,19 @@ there unservable for as long as the replacement takes to load.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable, Collection, Mapping
+from typing import Protocol
+
+import trio
 
 from llmgw.cp._catalog import Catalog
 from llmgw.cp._registry import NodeRegistry
-from llmgw.router._types import Endpoint
+from llmgw.errors import LlmgwError
+from llmgw.router._types import Endpoint, EndpointSource
+
+log = logging.getLogger("llmgw.cp.endpoints")
 
 
 def endpoint_id(replica_id: str | None, node_id: str) -> str:
@@ -93,3 +101,218 @@ class FleetEndpoints:
         if snapshot != self._snapshot:
             self._snapshot = snapshot
             self._version += 1
+
+
+# --- the standby's view: the leader's list, through the store --------------------------
+#
+# The leader publishes its list (`EndpointPublisher`) when it changes, at most every
+# `PUBLISH_EVERY_S`; a standby's router reads it back every `READ_EVERY_S`
+# (`PublishedEndpoints`). `RoleEndpoints` is what the router in either role is given:
+# the fleet's own list while this control plane leads, the published one otherwise.
+
+PUBLISH_EVERY_S = 0.5  # at most twice a second
+READ_EVERY_S = 1.0
+PUBLISHED_MAX_BYTES = 16 << 20  # a list larger than this is nobody's fleet
+
+
+def encode_endpoints(snapshot: Mapping[str, tuple[Endpoint, ...]]) -> str:
+    """The list as published: {"models": {name: [endpoint, ...]}} (sorted, stable)."""
+    return json.dumps(
+        {
+            "models": {
+                name: [
+                    {
+                        "endpoint_id": e.endpoint_id,
+                        "engine": e.engine,
+                        "host": e.host,
+                        "port": e.port,
+                        "slots": e.slots,
+                    }
+                    for e in eps
+                ]
+                for name, eps in sorted(snapshot.items())
+            }
+        },
+        sort_keys=True,
+    )
+
+
+def decode_endpoints(text: str) -> dict[str, tuple[Endpoint, ...]]:
+    """The published list back; raises ValueError naming what is wrong. The store is
+    shared with other machines: nothing in it is trusted to be well formed."""
+    if len(text) > PUBLISHED_MAX_BYTES:
+        raise ValueError(f"the published endpoint list is {len(text)} bytes, over the limit")
+    data = json.loads(text)
+    models = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(models, dict):
+        raise ValueError('expected {"models": {name: [endpoints]}}')
+    out: dict[str, tuple[Endpoint, ...]] = {}
+    for name, eps in models.items():
+        if not isinstance(name, str) or not isinstance(eps, list):
+            raise ValueError(f"model {str(name)[:60]!r}: expected a list of endpoints")
+        parsed = []
+        for e in eps:
+            if not isinstance(e, dict):
+                raise ValueError(f"model {name!r}: an endpoint is not an object")
+            eid, engine, host, port = (
+                e.get("endpoint_id"),
+                e.get("engine"),
+                e.get("host"),
+                e.get("port"),
+            )
+            slots = e.get("slots")
+            if not (isinstance(eid, str) and isinstance(engine, str) and isinstance(host, str)):
+                raise ValueError(f"model {name!r}: endpoint_id, engine and host must be strings")
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(f"model {name!r}: endpoint {eid!r}: port {port!r} is not a port")
+            if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)):
+                raise ValueError(f"model {name!r}: endpoint {eid!r}: slots {slots!r}")
+            parsed.append(Endpoint(eid, name, engine, host, port, slots))
+        out[name] = tuple(parsed)
+    return out
+
+
+class EndpointStore(Protocol):
+    async def publish_endpoints(self, epoch: int, body_json: str) -> bool: ...
+    async def published_endpoints(self) -> tuple[int, str, float] | None: ...
+
+
+class EndpointPublisher:
+    """The leader's side: publish the fleet's list when it (or the epoch) changed."""
+
+    def __init__(
+        self,
+        store: EndpointStore,
+        source: EndpointSource,
+        acting: Callable[[], bool],
+        epoch: Callable[[], int],
+        *,
+        every_s: float = PUBLISH_EVERY_S,
+    ) -> None:
+        self._store = store
+        self._source = source
+        self._acting = acting
+        self._epoch = epoch
+        self.every_s = every_s
+        self._published: tuple[int, int] | None = None  # (epoch, version) last written
+        self.published = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(self.every_s)
+            if not self._acting():
+                self._published = None  # a new term publishes anew
+                continue
+            mark = (self._epoch(), self._source.version)
+            if mark == self._published:
+                continue
+            try:
+                ok = await self._store.publish_endpoints(
+                    mark[0], encode_endpoints(self._source.snapshot())
+                )
+            except LlmgwError as exc:
+                log.warning("publishing the endpoint list failed (retried): %s", exc)
+                continue
+            if ok:
+                self._published = mark
+                self.published += 1
+            else:
+                log.warning(
+                    "publishing the endpoint list at epoch %d refused: not the lease's epoch",
+                    mark[0],
+                )
+
+
+class PublishedEndpoints:
+    """The standby's side: the list the leader last published, read every second."""
+
+    def __init__(self, store: EndpointStore, *, every_s: float = READ_EVERY_S) -> None:
+        self._store = store
+        self.every_s = every_s
+        self._version = 0
+        self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
+        self._seen: tuple[int, str] | None = None
+        self.reading = True  # False while this control plane leads: nothing to read
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def snapshot(self) -> Mapping[str, tuple[Endpoint, ...]]:
+        return self._snapshot
+
+    def adopt(self, snapshot: Mapping[str, tuple[Endpoint, ...]]) -> None:
+        """Start from this list (what this control plane routed to as the leader) until
+        the store answers with the leader's: a leader deposed because the store is
+        down keeps routing to the engines it knew, instead of to nothing."""
+        if dict(snapshot) != self._snapshot:
+            self._snapshot = dict(snapshot)
+            self._version += 1
+        self._seen = None  # the next read replaces it, whatever it holds
+
+    async def read_once(self) -> None:
+        got = await self._store.published_endpoints()
+        if got is None:
+            return
+        epoch, body, _at = got
+        if (epoch, body) == self._seen:
+            return
+        self._seen = (epoch, body)
+        snapshot = decode_endpoints(body)
+        if snapshot != self._snapshot:
+            self._snapshot = snapshot
+            self._version += 1
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            if self.reading:
+                try:
+                    await self.read_once()
+                except (LlmgwError, ValueError) as exc:
+                    log.warning(
+                        "reading the leader's endpoint list failed (kept the last): %s", exc
+                    )
+            await trio.sleep(self.every_s)
+
+
+class RoleEndpoints:
+    """The router's source in either role: the fleet's own list while leading, the
+    leader's published list otherwise. `version` moves whenever the chosen list or the
+    choice does, so the router re-reads on a failover."""
+
+    def __init__(
+        self, fleet: EndpointSource, published: PublishedEndpoints, leading: Callable[[], bool]
+    ) -> None:
+        self._fleet = fleet
+        self._published = published
+        self._leading = leading
+        self._mark: tuple[bool, int] | None = None
+        self._version = 0
+        # The fleet's list as last read while leading: the published list starts from it
+        # on a deposition (PublishedEndpoints.adopt).
+        self._last_fleet: Mapping[str, tuple[Endpoint, ...]] | None = None
+
+    def _current(self) -> EndpointSource:
+        leading = self._leading()
+        if leading:
+            self._last_fleet = self._fleet.snapshot()
+        elif self._last_fleet is not None:
+            self._published.adopt(self._last_fleet)
+            self._last_fleet = None
+        self._published.reading = not leading
+        src: EndpointSource = self._fleet if leading else self._published
+        mark = (leading, src.version)
+        if mark != self._mark:
+            self._mark = mark
+            self._version += 1
+        return src
+
+    @property
+    def version(self) -> int:
+        self._current()
+        return self._version
+
+    def snapshot(self) -> Mapping[str, tuple[Endpoint, ...]]:
+        return self._current().snapshot()

@@ -20,9 +20,17 @@ from llmgw.cp import _catalog, _catalog_file, _engines
 from llmgw.cp._accounts import StoreKeys
 from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
 from llmgw.cp._catalog_file import CatalogFile
-from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
+from llmgw.cp._endpoints import (
+    EndpointPublisher,
+    FleetEndpoints,
+    PublishedEndpoints,
+    RoleEndpoints,
+    endpoint_id,
+)
 from llmgw.cp._fleet_metrics import FleetCollector
 from llmgw.cp._history import History
+from llmgw.cp._leader import Holder, LeaderCollector, Leadership, advertised
+from llmgw.cp._legacy import import_legacy
 from llmgw.cp._mirror import ManifestCache, serve_mirror
 from llmgw.cp._pages import api_client, make_pages
 from llmgw.cp._reconciler import Reconciler
@@ -38,7 +46,15 @@ log = logging.getLogger("llmgw.cp")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llmgw-cp", description="the llmgw control plane")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["init"]:  # `llmgw-cp init --postgres`: llmgw/cp/_init_pg.py
+        from llmgw.cp._init_pg import main as init_main
+
+        return init_main(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="llmgw-cp",
+        description="the llmgw control plane (and `llmgw-cp init --postgres`: see its --help)",
+    )
     parser.add_argument(
         "--config",
         type=Path,
@@ -103,7 +119,10 @@ async def serve(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     store = await open_configured_store(cfg)
+    lease_store: SqlStore | None = None
     try:
+        # The lease on a connection of its own: a renewal never waits behind key lookups.
+        lease_store = await open_configured_store(cfg)
         await _serve(
             cfg,
             catalog,
@@ -111,10 +130,13 @@ async def serve(
             router_cfg,
             log_level=log_level,
             hashes=hashes,
+            lease_store=lease_store,
             task_status=task_status,
         )
     finally:
         with trio.CancelScope(shield=True):
+            if lease_store is not None:
+                await lease_store.aclose()
             await store.aclose()
 
 
@@ -126,6 +148,7 @@ async def _serve(
     *,
     log_level: str | None = None,
     hashes: ManifestCache | None = None,
+    lease_store: SqlStore | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     log.info("store: %s", store.where)
@@ -134,9 +157,10 @@ async def _serve(
     key_path, created = ensure_admin_key(cfg.state_dir)
     if created:
         log.info("created the first admin key in %s (keep it safe)", key_path)
-    registry = NodeRegistry(_policy(cfg), forget_after_s=cfg.forget_after_s)
-    registry.load_overrides(cfg.state_dir / "overrides.json")
-    registry.load_known(cfg.state_dir / "known_nodes.json")  # whom a restart waits for
+    # A standby until the lease is taken (llmgw/cp/_leader.py): it refuses registrations.
+    registry = NodeRegistry(_policy(cfg), forget_after_s=cfg.forget_after_s, leading=False)
+    await import_legacy(cfg.state_dir, store)  # the files an older llmgw-cp kept, once
+    await registry.load_state(store)  # overrides, and the known nodes a restart waits for
     registry.history = history = History()  # each node's last hour, one sample a heartbeat
     registry.engines = catalog.engines  # before the RPC listener: every registration has it
     log.info("engines: %s", _engines.describe(catalog.engines))
@@ -160,6 +184,30 @@ async def _serve(
     )
     reconciler.sizes = sizes
     endpoints = FleetEndpoints(registry, lambda: catalog.catalog, reconciler.retiring)
+    # The router in either role: the fleet's list while leading, else the leader's, as it
+    # published it in the store (llmgw/cp/_endpoints.py).
+    published = PublishedEndpoints(store)
+    routed = RoleEndpoints(endpoints, published, registry.acting)
+    publisher = EndpointPublisher(store, endpoints, registry.acting, lambda: registry.epoch)
+
+    async def elected(epoch: int) -> None:
+        await registry.load_state(store)  # the other control plane may have changed them
+        registry.lead(epoch)
+        reconciler.elected()  # the settle counts from now
+
+    def learned_leader(holder: Holder | None) -> None:
+        registry.set_leader(holder.rpc if holder is not None else None)
+
+    leadership = Leadership(
+        lease_store or store,
+        advertised(cfg),
+        cfg.lease_s,
+        elected,
+        registry.step_down,
+        on_leader=learned_leader,
+    )
+    registry.may_act = leadership.may_act
+    registry.on_stale = leadership.step_down
     reconciler.on_retiring = endpoints.refresh
     registry.listeners += [reconciler.poke, endpoints.refresh]
 
@@ -171,13 +219,13 @@ async def _serve(
     catalog.on_change = catalog_changed
     keys = StoreKeys(store)
     admin_key = read_admin_key(key_path)
-    router = Router(router_cfg or RouterConfig(), endpoints, keys, admin_key=admin_key)
+    router = Router(router_cfg or RouterConfig(), routed, keys, admin_key=admin_key, usage=store)
     workers = router.config.workers if cfg.router_listen is not None else 1
     # Workers 1..N-1 run in processes of their own (llmgw/cp/_workers.py); this one is 0.
     # Each opens the store itself (SQLite in WAL mode, or PostgreSQL) to read keys.
     hub = (
         WorkerHub(
-            endpoints,
+            routed,
             workers,
             cfg.router,
             store_location(cfg.store, cfg.state_dir, "server.yaml"),
@@ -214,6 +262,9 @@ async def _serve(
     router.metrics_registry.register(
         FleetCollector(registry, reconciler=reconciler, catalog=lambda: catalog.catalog)
     )
+    router.metrics_registry.register(
+        LeaderCollector(leadership, lambda: registry.commands_refused_stale)
+    )
     admin = AdminApp(
         registry,
         admin_key,
@@ -222,7 +273,10 @@ async def _serve(
         keys=router.keys,
         metrics=router.metrics_registry,
         router=router if cfg.router_listen is not None else None,
+        store=store,
+        bands={b.name: b.rank for b in router.config.bands},
     )
+    admin.leadership = leadership
     admin.pages = make_pages(api_client(admin, admin_key), admin_key, mirror_dir=cfg.mirror.dir)
     rpc_host, rpc_port = config.split_host_port(cfg.rpc_listen)
 
@@ -239,8 +293,14 @@ async def _serve(
         CapnpThread.open(deadlines=deadlines, handshake=handshake) as bridge,
         trio.open_nursery() as nursery,
     ):
+        registry.close_connection = bridge.close_connection
         await nursery.start(registry.run)
         await nursery.start(reconciler.run)
+        # Before the RPC listener: alone on its store, this control plane leads before
+        # the first agent dials, so none is refused at start.
+        await nursery.start(leadership.run)
+        nursery.start_soon(publisher.run)
+        nursery.start_soon(published.run)
         nursery.start_soon(catalog.watch)
         if cfg.mirror.dir is not None:
             # Before the RPC listener: every registration's Settings name its port.
@@ -272,10 +332,14 @@ async def _serve(
                 f" ({workers} workers, this is 0)" if hub is not None else "",
             )
         log.info(
-            "control plane ready: agents on %s:%d, admin API on http://%s",
+            "control plane ready: agents on %s:%d, admin API on http://%s; %s, epoch %s;"
+            " advertised as %s",
             rpc_host,
             rpc_bound,
             cfg.admin_listen,
+            leadership.view().role,
+            leadership.epoch,
+            leadership.me.describe(),
         )
         task_status.started()
 

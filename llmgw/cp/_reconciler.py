@@ -18,6 +18,12 @@ registry's list, kept in the state dir) has registered again, or `settle_s`
 has passed since the last registration (at most `SETTLE_MAX_FACTOR` times
 `settle_s` after the start): agents re-register first, and their replicas are
 adopted rather than started again.
+
+It acts only while the registry may (`registry.acting()`: this control plane
+leads and is inside its lease, llmgw/cp/_leader.py): a standby's passes plan
+nothing and say nothing. The settle starts again from each election
+(`elected()`), not from the process start: a standby that takes over waits
+for the fleet to register with it before it acts.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from llmgw.core._reconcile import (
 from llmgw.cp._catalog import Catalog, CatalogModel, Profile, engine_profile, fingerprint
 from llmgw.cp._registry import NodeRecord, NodeRegistry
 from llmgw.cp._shards import PORTS, free_port, ports_taken, to_shard_spec
-from llmgw.errors import ConfigError, DeadlineExceeded, LlmgwError
+from llmgw.errors import ConfigError, DeadlineExceeded, LlmgwError, StaleEpoch
 
 log = logging.getLogger("llmgw.cp.reconciler")
 
@@ -138,6 +144,21 @@ class Reconciler:
     def poke(self) -> None:
         """Something changed (a report, a catalog reload): plan again soon."""
         self._wake.set()
+
+    def elected(self) -> None:
+        """This control plane took the lease: settle from now, waiting for the nodes known
+        now (the store's, read at the election), and forget the last term's plans."""
+        self._started_at = self._clock()
+        self._settled = False
+        self._settle_note = None
+        self._expected = frozenset(self._registry.known)
+        self._guard_held_at = None
+        self._unanswered.clear()
+        self._unhealthy_since.clear()
+        self._retiring.clear()
+        self._unplaced.clear()
+        self._last_plan = Plan((), ())
+        self.poke()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._started_at = self._clock()
@@ -251,7 +272,7 @@ class Reconciler:
                 log.info("settled after %.0f s: every known node registered",
                          now - self._started_at)  # fmt: skip
             return None
-        if not known:  # a first start, or a state dir without known_nodes.json
+        if not known:  # a first start, or a store that has no known nodes yet
             return f"waiting {release - now:.0f} s for agents to register before acting"
         return (
             f"waiting for {len(missing)} of {len(known)} known nodes to register "
@@ -287,6 +308,8 @@ class Reconciler:
     async def tick(self) -> None:
         """One pass: plan, then hand the actions to tasks; it never waits on an agent."""
         try:
+            if not self._registry.acting():
+                return  # a standby (or a leader past its lease) plans nothing, says nothing
             plan = self.plan()
             self._last_plan = plan
             if plan.notes != self._last_notes:
@@ -344,6 +367,8 @@ class Reconciler:
             # Bounded by the handle: the grace, plus its deadline (llmgw/rpc Deadlines).
             await agent.stop_shard(self._registry.epoch, action.shard_id, self.stop_grace_s)
             self._registry.forget_shard(action.node_id, action.shard_id)
+        except StaleEpoch as exc:
+            self._registry.stale_epoch(action.node_id, exc)
         except DeadlineExceeded as exc:
             self._unanswered[action.node_id] = self._clock()
             log.warning("stopping %s: node %s %s", action.shard_id, action.node_id, exc)
@@ -481,6 +506,10 @@ class Reconciler:
                 try:
                     # Bounded by the handle (llmgw/rpc Deadlines, startShard 10 s).
                     report = await agent.start_shard(self._registry.epoch, spec)
+                except StaleEpoch as exc:
+                    self._registry.stale_epoch(node_id, exc)
+                    failure = f"node {node_id} refused epoch {self._registry.epoch} as stale"
+                    break
                 except DeadlineExceeded as exc:
                     self._unanswered[node_id] = self._clock()
                     failure = f"node {node_id} {exc}"

@@ -8,14 +8,11 @@ lost connections and clock ticks, logging every state change with its reason.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Mapping
 
 import attrs
 import trio
@@ -24,7 +21,8 @@ from llmgw import core, model
 from llmgw.cp import _engines
 from llmgw.cp._events import EventLog
 from llmgw.cp._history import History
-from llmgw.errors import ConfigError, NotFound, RegistrationRefused, UsageError
+from llmgw.cp._store import Store
+from llmgw.errors import LlmgwError, NotFound, RegistrationRefused, StaleEpoch, UsageError
 from llmgw.rpc import AgentHandle, PeerInfo, SessionServant
 
 log = logging.getLogger("llmgw.cp.registry")
@@ -42,6 +40,7 @@ class NodeRecord:
     agent: AgentHandle | None
     last_seen_wall: float
     registered_at: float = 0.0  # clock value of this registration
+    conn_id: int | None = None  # the RPC connection, closed when this control plane steps down
 
     @property
     def host(self) -> str:
@@ -58,6 +57,9 @@ class _Session:
         self._generation = generation
 
     async def heartbeat(self, beat: model.Heartbeat) -> None:
+        if not self._registry.leading:
+            # Deposed: the agent must go to the leader; the refusal names it when known.
+            raise self._registry.refusal()
         self._registry.on_heartbeat(self._node_id, self._generation, beat)
 
     async def shard_status(self, shard: model.ShardReport) -> None:
@@ -69,6 +71,8 @@ class _Session:
 
 # A fetch's progress (issue 12). Not a state transition: it is kept beside the node's
 # record, never in it, and changes nothing anyone plans from.
+STORE_RETRY_S = 2.0  # a failed write of overrides or known nodes is tried again after this
+
 PROGRESS_SILENCE_S = 30.0  # no message for this long: the fetch is no longer news
 PROGRESS_PER_NODE = 64  # a node may report this many sources at once; the oldest go first
 PROGRESS_SOURCE_MAX = 4096  # characters; a longer source text is no catalog's
@@ -124,10 +128,22 @@ class NodeRegistry:
         wall: Callable[[], float] = time.time,
         epoch: int = 1,
         forget_after_s: float | None = None,
+        leading: bool = True,
     ) -> None:
         self.policy = policy
         self.forget_after_s = forget_after_s  # a node lost this long is forgotten; None: never
         self.epoch = epoch
+        # Leadership (llmgw/cp/_leader.py): a standby refuses registrations, naming the
+        # leader's RPC address when it knows it; `may_act` is the lease's own check (True
+        # only inside the lease by this process's clock), consulted before every command.
+        self.leading = leading
+        self.leader_rpc: str | None = None
+        self.may_act: Callable[[], bool] = lambda: True
+        # An agent refused a command as stale: counted, and this control plane steps down.
+        self.commands_refused_stale = 0
+        self.on_stale: Callable[[str], None] | None = None
+        # Closes an agent's RPC connection (the bridge's close_connection) on stepping down.
+        self.close_connection: Callable[[int], Awaitable[None]] | None = None
         # The weights mirror agents resolve `mirror:` sources against (on the host they
         # dialled); None: this control plane serves none.
         self.mirror_port: int | None = None
@@ -145,12 +161,16 @@ class NodeRegistry:
         # node -> why; cordoned for placement, and what runs there is moved off
         # (the reconcile plan's drain rule, llmgw/core/_drain.py)
         self.draining: dict[str, str] = {}
-        self._overrides: Path | None = None
         # Every node that ever registered and was not forgotten: whom a restarted
         # control plane waits for before it acts (the reconciler's settle).
         self.known: set[str] = set()
-        self._known_path: Path | None = None
-        self._known_dirty = False
+        # Where overrides and known nodes are kept (load_state); None: nowhere (tests).
+        self._store: Store | None = None
+        self._dirty_overrides: set[str] = set()  # nodes whose override is to be written
+        self._dirty_known: set[str] = set()  # nodes known or forgotten since the last write
+        self._wake_writer = trio.Event()
+        self._flush_lock = trio.Lock()
+        self.store_writes = 0
         # Called on a registration, a shard report, a state change.
         self.listeners: list[Callable[[], None]] = []
         # Why things happened (failed shards, state changes), for the admin API.
@@ -169,21 +189,33 @@ class NodeRegistry:
             counts[rec.liveness.state.value] += 1
         return counts
 
-    def load_overrides(self, path: Path) -> None:
-        """Operator overrides (cordons, drains) survive a restart: they live in the state dir."""
-        self._overrides = path
-        try:
-            data = json.loads(path.read_text())
-            self.cordoned = {str(k): str(v) for k, v in data.get("cordoned", {}).items()}
-            self.draining = {str(k): str(v) for k, v in data.get("draining", {}).items()}
-        except FileNotFoundError:
-            self.cordoned, self.draining = {}, {}
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"{path}: unreadable node overrides: {exc}") from None
+    async def load_state(self, store: Store) -> None:
+        """Read the operator's overrides and the known nodes from the store, and keep them
+        there from now on (a task of `run` writes what changes, batched).
+
+        Called at start, and again when a standby becomes leader: the other control
+        plane may have changed them. What this one had not yet written is dropped: the
+        store is the record.
+        """
+        overrides = await store.overrides()
+        known = await store.known_nodes()
+        self._store = store
+        self.cordoned = {o.node_id: o.reason for o in overrides if o.kind == "cordon"}
+        self.draining = {o.node_id: o.reason for o in overrides if o.kind == "drain"}
+        self.known = {k.node_id for k in known}
+        self._dirty_overrides.clear()
+        self._dirty_known.clear()
+        log.info(
+            "from the store: %d cordoned, %d draining, %d known nodes",
+            len(self.cordoned),
+            len(self.draining),
+            len(self.known),
+        )
+        self._changed()
 
     def cordon(self, node_id: str, reason: str | None) -> None:
         self.cordoned[node_id] = reason or "cordoned by an operator"
-        self._save_overrides()
+        self._note_override(node_id)
         log.info("node %s cordoned: %s", node_id, self.cordoned[node_id])
         self._changed()
 
@@ -196,7 +228,7 @@ class NodeRegistry:
         ]
         if not lifted:
             return lifted
-        self._save_overrides()
+        self._note_override(node_id)
         log.info("node %s uncordoned (lifted: %s)", node_id, ", ".join(lifted))
         self._changed()
         return lifted
@@ -204,7 +236,7 @@ class NodeRegistry:
     def drain(self, node_id: str, reason: str | None) -> None:
         """Move what runs on the node elsewhere, replacement first, and place nothing there."""
         self.draining[node_id] = reason or "drained by an operator"
-        self._save_overrides()
+        self._note_override(node_id)
         log.info("node %s draining: %s", node_id, self.draining[node_id])
         self._changed()
 
@@ -229,52 +261,90 @@ class NodeRegistry:
             self.history.forget(node_id)
         if node_id in self.known:
             self.known.discard(node_id)
-            self._save_known()  # now, not on the next tick: a restart must not wait for it
+            self._note_known(node_id)
         had = self.cordoned.pop(node_id, None), self.draining.pop(node_id, None)
         if any(v is not None for v in had):
-            self._save_overrides()
+            self._note_override(node_id)
         reason = f": {rec.liveness.reason}" if rec is not None else ""
         log.info("node %s forgotten (%s; it was %s%s)", node_id, why, was, reason)
         self.events.node_state(node_id, was, "forgotten", why)
         self._changed()
         return was
 
-    def load_known(self, path: Path) -> None:
-        """The known nodes survive a restart: a JSON list in the state dir."""
-        self._known_path = path
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            self.known = set()
-            return
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"{path}: unreadable list of known nodes: {exc}; fix or delete it (the control "
-                "plane then waits reconcile_settle_s after its start instead)"
-            ) from None
-        nodes = data.get("nodes") if isinstance(data, dict) else None
-        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
-            raise ConfigError(
-                f'{path}: expected {{"nodes": [node ids]}}, got {str(data)[:80]!r}; fix or '
-                "delete it (the control plane then waits reconcile_settle_s after its start)"
-            )
-        self.known = set(nodes)
+    # persistence: the store ---------------------------------------------------
 
-    def _save_known(self) -> None:
-        self._known_dirty = False
-        if self._known_path is None:
-            return
-        tmp = self._known_path.with_name(self._known_path.name + ".tmp")
-        tmp.write_text(json.dumps({"nodes": sorted(self.known)}, indent=1))
-        os.replace(tmp, self._known_path)
+    def _note_override(self, node_id: str) -> None:
+        self._dirty_overrides.add(node_id)
+        self._wake_writer.set()
 
-    def _save_overrides(self) -> None:
-        if self._overrides is None:
-            return
-        tmp = self._overrides.with_name(self._overrides.name + ".tmp")
-        body = {"cordoned": self.cordoned, "draining": self.draining}
-        tmp.write_text(json.dumps(body, indent=1))
-        os.replace(tmp, self._overrides)
+    def _note_known(self, node_id: str) -> None:
+        self._dirty_known.add(node_id)
+        self._wake_writer.set()
+
+    async def flush(self) -> None:
+        """Write every changed override and known node to the store now (an operator's
+        cordon, drain or forget is written before the admin API answers). On a failure
+        what is not written stays to be written (by the next flush or the writer task)
+        and the store's error is raised."""
+        async with self._flush_lock:
+            store = self._store
+            if store is None:
+                self._dirty_overrides.clear()
+                self._dirty_known.clear()
+                return
+            while self._dirty_overrides or self._dirty_known:
+                if self._dirty_overrides:
+                    node_id = min(self._dirty_overrides)
+                    self._dirty_overrides.discard(node_id)
+                    write = self._write_override(store, node_id)
+                    again = self._dirty_overrides
+                else:
+                    node_id = min(self._dirty_known)
+                    self._dirty_known.discard(node_id)
+                    write = self._write_known(store, node_id)
+                    again = self._dirty_known
+                try:
+                    await write
+                except BaseException:
+                    again.add(node_id)
+                    raise
+                self.store_writes += 1
+
+    async def _write_override(self, store: Store, node_id: str) -> None:
+        # One row a node: a drain holds it for placement too, so it wins over a cordon.
+        if node_id in self.draining:
+            await store.set_override(node_id, "drain", self.draining[node_id])
+        elif node_id in self.cordoned:
+            await store.set_override(node_id, "cordon", self.cordoned[node_id])
+        else:
+            await store.clear_override(node_id)
+
+    async def _write_known(self, store: Store, node_id: str) -> None:
+        if node_id in self.known:
+            rec = self._nodes.get(node_id)
+            await store.remember_node(node_id, rec.address if rec is not None else "")
+        else:
+            await store.forget_node(node_id)
+
+    async def _writer(self) -> None:
+        """Writes what changed, off the tick and the RPC handlers: a registration storm
+        is written as it comes, never waited for."""
+        while True:
+            await self._wake_writer.wait()
+            self._wake_writer = trio.Event()
+            try:
+                await self.flush()
+            except LlmgwError as exc:
+                log.warning(
+                    "the store: cannot write %d node overrides and %d known nodes (retried "
+                    "in %g s): %s",
+                    len(self._dirty_overrides),
+                    len(self._dirty_known),
+                    STORE_RETRY_S,
+                    exc,
+                )
+                await trio.sleep(STORE_RETRY_S)
+                self._wake_writer.set()
 
     def _changed(self) -> None:
         for listener in self.listeners:
@@ -284,6 +354,7 @@ class NodeRegistry:
         """Owns the per-session watchers and ticks the liveness machine every second."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._writer)
             task_status.started()
             while True:
                 await trio.sleep(1.0)
@@ -291,9 +362,70 @@ class NodeRegistry:
 
     # RegistryServant ------------------------------------------------------------
 
+    # leadership ------------------------------------------------------------------
+
+    def acting(self) -> bool:
+        """Whether this control plane may command agents now: leading, inside its lease."""
+        return self.leading and self.may_act()
+
+    def refusal(self) -> RegistrationRefused:
+        """What a standby answers an agent: where the leader is, when it knows."""
+        if self.leader_rpc is None:
+            return RegistrationRefused("standby; no leader yet")
+        return RegistrationRefused(f"standby; leader is {self.leader_rpc}", leader=self.leader_rpc)
+
+    def set_leader(self, rpc: str | None) -> None:
+        """A standby learned whom to send agents to (None: nobody holds the lease)."""
+        self.leader_rpc = rpc
+
+    def lead(self, epoch: int) -> None:
+        """Elected: every command and registration from now carries `epoch`."""
+        self.epoch = epoch
+        self.leader_rpc = None
+        self.leading = True
+        log.info("registry: leading at epoch %d; accepting registrations", epoch)
+        self._changed()
+
+    def step_down(self, why: str) -> None:
+        """Deposed: stop acting, drop every agent session (each agent redials and is sent
+        to the leader), forget what the fleet reported. Known nodes and overrides stay."""
+        was_leading = self.leading
+        self.leading = False
+        dropped = 0
+        for rec in self._nodes.values():
+            if rec.agent is not None:
+                rec.agent.release()
+                rec.agent = None
+                dropped += 1
+            close, nursery = self.close_connection, self._nursery
+            if rec.conn_id is not None and close is not None and nursery is not None:
+                nursery.start_soon(close, rec.conn_id)
+        self._nodes.clear()
+        self._progress.clear()
+        if was_leading:
+            log.warning(
+                "registry: stepped down at epoch %d (%s): dropped %d agent sessions",
+                self.epoch,
+                why,
+                dropped,
+            )
+        self._changed()
+
+    def stale_epoch(self, node_id: str, exc: StaleEpoch) -> None:
+        """An agent refused a command as older than an epoch it has seen: someone else
+        leads. Counted (`commands_refused_stale`), and this control plane steps down."""
+        self.commands_refused_stale += 1
+        log.warning("node %s refused a command at epoch %d as stale: %s", node_id, self.epoch, exc)
+        if self.on_stale is not None:
+            self.on_stale(f"node {node_id} refused epoch {self.epoch} as stale")
+
     async def register(
         self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle
     ) -> tuple[SessionServant, model.Settings]:
+        if not self.acting():
+            # Before anything of the hello is read: a standby keeps no fleet.
+            agent.release()
+            raise self.refusal()
         if peer.common_name != hello.node_id:
             log.warning(
                 "refused registration from %s: its certificate is for node %r "
@@ -326,13 +458,14 @@ class NodeRegistry:
             agent=agent,
             last_seen_wall=self._wall(),
             registered_at=now,
+            conn_id=peer.conn_id,
         )
         self._nodes[hello.node_id] = rec
         if self.history is not None:
             self.history.record(hello.node_id, hello.inventory.usage, hello.shards)
         if hello.node_id not in self.known:
             self.known.add(hello.node_id)
-            self._known_dirty = True  # written on the next tick: a storm writes it once
+            self._note_known(hello.node_id)  # written by the writer task, never waited for
         before = old.liveness.state.value if old else "new"
         log.info(
             "node %s: %s -> ready (registered from %s, %d shards)",
@@ -366,6 +499,8 @@ class NodeRegistry:
         if old == new or self._nursery is None:
             return
         sent = decls if decls is not None else _engines.declare(())
+        if not self.acting():
+            return  # the next registrations with the leader carry it
         for rec in self.records():
             if rec.agent is not None:
                 self._nursery.start_soon(self._declare, rec.node_id, rec.generation, sent)
@@ -374,8 +509,13 @@ class NodeRegistry:
         rec = self._current(node_id, generation)
         if rec is None or rec.agent is None:
             return
+        if not self.acting():
+            return
         try:
             await rec.agent.declare_engines(self.epoch, decls)
+        except StaleEpoch as exc:
+            self.stale_epoch(node_id, exc)
+            return
         except Exception as exc:  # that node's failure only: it converges at its next registration
             log.warning(
                 "node %s: declaring engines %s failed: %s", node_id, decls.fingerprint[:12], exc
@@ -497,8 +637,6 @@ class NodeRegistry:
 
     def tick(self) -> None:
         now = self._clock()
-        if self._known_dirty:
-            self._save_known()
         self._expire_progress(now)
         event = core.Tick(now)
         for rec in list(self._nodes.values()):
@@ -534,8 +672,12 @@ class NodeRegistry:
         ]
 
     def agent(self, node_id: str) -> AgentHandle | None:
+        """The node's handle for a command; None when not connected, or when this control
+        plane may not act (a standby, or a leader past its lease by its own clock)."""
         rec = self._nodes.get(node_id)
-        return rec.agent if rec is not None else None
+        if rec is None or not self.acting():
+            return None
+        return rec.agent
 
     def record(self, node_id: str) -> NodeRecord | None:
         return self._nodes.get(node_id)

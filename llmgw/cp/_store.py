@@ -115,6 +115,7 @@ class Store(Protocol):
         name: str = "",
         expires_at: float | None = None,
     ) -> tuple[ApiKey, str]: ...
+    async def put_key(self, key: ApiKey, secret_digest: bytes) -> None: ...
     async def list_keys(self) -> list[StoredKey]: ...
     async def revoke_key(self, key_id: str) -> bool: ...
     async def lookup_key(self, secret_digest: bytes) -> ApiKey | None: ...
@@ -127,6 +128,8 @@ class Store(Protocol):
     async def try_acquire(self, holder: str, ttl_s: float) -> Lease | None: ...
     async def renew(self, holder: str, epoch: int, ttl_s: float) -> bool: ...
     async def current(self) -> Lease | None: ...
+    async def publish_endpoints(self, epoch: int, body_json: str) -> bool: ...
+    async def published_endpoints(self) -> tuple[int, str, float] | None: ...
     async def audit(self, actor: str, action: str, detail: str = "") -> None: ...
     async def recent_audit(self, limit: int = 100) -> list[AuditEntry]: ...
     async def add_usage(self, rows: Iterable[UsageRow]) -> None: ...
@@ -165,6 +168,13 @@ _SQLITE_MIGRATIONS: tuple[str, ...] = (
         requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL,
         completion_tokens INTEGER NOT NULL, PRIMARY KEY (hour, tenant, key_id, model));
     """,
+    # 2: the leader's endpoint list, for the standbys' routers (publish_endpoints).
+    """
+    CREATE TABLE published_endpoints (
+        id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL, body TEXT,
+        at REAL NOT NULL);
+    INSERT INTO published_endpoints (id, epoch, body, at) VALUES (1, 0, NULL, 0);
+    """,
 )
 _PG_MIGRATIONS: tuple[str, ...] = (
     """
@@ -192,6 +202,13 @@ _PG_MIGRATIONS: tuple[str, ...] = (
         hour BIGINT NOT NULL, tenant TEXT NOT NULL, key_id TEXT NOT NULL, model TEXT NOT NULL,
         requests BIGINT NOT NULL, prompt_tokens BIGINT NOT NULL,
         completion_tokens BIGINT NOT NULL, PRIMARY KEY (hour, tenant, key_id, model));
+    """,
+    # 2: the leader's endpoint list, for the standbys' routers (publish_endpoints).
+    """
+    CREATE TABLE published_endpoints (
+        id INTEGER PRIMARY KEY CHECK (id = 1), epoch BIGINT NOT NULL, body TEXT,
+        at DOUBLE PRECISION NOT NULL);
+    INSERT INTO published_endpoints (id, epoch, body, at) VALUES (1, 0, NULL, 0);
     """,
 )
 
@@ -534,6 +551,26 @@ class SqlStore:
         log.info("API key %s created for tenant %s", key.key_id, tenant)
         return key, secret
 
+    async def put_key(self, key: ApiKey, secret_digest: bytes) -> None:
+        """Keep a key made elsewhere (an older key file, another store) as it is: its id,
+        its secret's digest, revoked or not, its expiry."""
+        await self._q(
+            f"INSERT INTO api_keys (secret_sha256, {_KEY_COLUMNS}, expires_at)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (
+                bytes(secret_digest),
+                key.key_id,
+                key.tenant,
+                None if key.models is None else json.dumps(sorted(key.models)),
+                key.default_band,
+                key.max_band,
+                key.created_at,
+                int(key.revoked),
+                key.name,
+                key.expires_at,
+            ),
+        )
+
     async def list_keys(self) -> list[StoredKey]:
         rows = await self._q(
             f"SELECT {_KEY_COLUMNS}, expires_at FROM api_keys ORDER BY created_at, key_id"
@@ -677,6 +714,30 @@ class SqlStore:
         )
         return self._lease(rows[0]) if rows else None
 
+    # the leader's endpoint list
+
+    async def publish_endpoints(self, epoch: int, body_json: str) -> bool:
+        """Keep the leader's endpoint list for the standbys' routers. Fenced: written only
+        while `epoch` is the lease's, so a deposed leader cannot overwrite its successor's
+        list; False when refused."""
+        now = self._backend.now_sql
+        rows = await self._q(
+            f"UPDATE published_endpoints SET epoch = ?, body = ?, at = {now}"
+            " WHERE id = 1 AND ? = (SELECT epoch FROM lease WHERE id = 1) RETURNING epoch",
+            (int(epoch), body_json, int(epoch)),
+        )
+        return bool(rows)
+
+    async def published_endpoints(self) -> tuple[int, str, float] | None:
+        """(epoch, the list as published, when) of the last list; None when none was."""
+        rows = await self._q(
+            "SELECT epoch, body, at FROM published_endpoints WHERE id = 1 AND body IS NOT NULL"
+        )
+        if not rows:
+            return None
+        epoch, body, at = rows[0]
+        return int(epoch), str(body), float(at)
+
     # audit
 
     async def audit(self, actor: str, action: str, detail: str = "") -> None:
@@ -750,6 +811,141 @@ class SqlStore:
             UsageRow(int(h), str(t), str(k), str(m), int(q), int(p), int(c))
             for h, t, k, m, q, p, c in rows
         ]
+
+    # --- moving a store (llmgw-cp init --postgres; llmgw/cp/_init_pg.py) ---------------
+
+    async def export_rows(self) -> StoreDump:
+        """Everything kept here, as rows, read in one transaction: what a move copies."""
+
+        def read(run: _Exec) -> StoreDump:
+            lease = run("SELECT epoch FROM lease WHERE id = 1")
+            return StoreDump(
+                accounts=tuple(
+                    tuple(r)
+                    for r in run(
+                        "SELECT name, rpm, tpm, max_band, created_at FROM accounts ORDER BY name"
+                    )
+                ),
+                keys=tuple(
+                    (bytes(r[0]), *r[1:])
+                    for r in run(
+                        f"SELECT secret_sha256, {_KEY_COLUMNS}, expires_at FROM api_keys"
+                        " ORDER BY created_at, key_id"
+                    )
+                ),
+                overrides=tuple(
+                    tuple(r)
+                    for r in run(
+                        "SELECT node_id, kind, reason, at FROM node_overrides ORDER BY node_id"
+                    )
+                ),
+                known_nodes=tuple(
+                    tuple(r)
+                    for r in run(
+                        "SELECT node_id, address, last_seen FROM known_nodes ORDER BY node_id"
+                    )
+                ),
+                audit=tuple(
+                    tuple(r)
+                    for r in run("SELECT at, actor, action, detail FROM audit ORDER BY seq")
+                ),
+                usage=tuple(
+                    tuple(r)
+                    for r in run(
+                        "SELECT hour, tenant, key_id, model, requests, prompt_tokens,"
+                        " completion_tokens FROM usage ORDER BY hour, tenant, key_id, model"
+                    )
+                ),
+                epoch=int(lease[0][0]) if lease else 0,
+            )
+
+        return await self._tx(read)
+
+    async def import_rows(self, dump: StoreDump) -> None:
+        """Copy `dump` in, all in one transaction; refused (UsageError) when this store
+        already holds accounts or keys: one store is never merged into another.
+
+        The lease is left free with the epoch at least the dump's, so the next leader's
+        epoch is above every epoch agents saw from the store the dump came from.
+        """
+
+        def write(run: _Exec) -> None:
+            accounts = int(run("SELECT COUNT(*) FROM accounts")[0][0])
+            keys = int(run("SELECT COUNT(*) FROM api_keys")[0][0])
+            if accounts or keys:
+                raise UsageError(
+                    f"the store at {self.where} already holds {accounts} accounts and {keys}"
+                    " API keys: moving one store into another is refused"
+                )
+            for row in dump.accounts:
+                run(
+                    "INSERT INTO accounts (name, rpm, tpm, max_band, created_at)"
+                    " VALUES (?,?,?,?,?)",
+                    row,
+                )
+            for row in dump.keys:
+                run(
+                    f"INSERT INTO api_keys (secret_sha256, {_KEY_COLUMNS}, expires_at)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?)",
+                    row,
+                )
+            for row in dump.overrides:
+                run(
+                    "INSERT INTO node_overrides (node_id, kind, reason, at) VALUES (?,?,?,?)"
+                    " ON CONFLICT (node_id) DO UPDATE SET kind = excluded.kind,"
+                    " reason = excluded.reason, at = excluded.at",
+                    row,
+                )
+            for row in dump.known_nodes:
+                run(
+                    "INSERT INTO known_nodes (node_id, address, last_seen) VALUES (?,?,?)"
+                    " ON CONFLICT (node_id) DO UPDATE SET address = excluded.address,"
+                    " last_seen = excluded.last_seen",
+                    row,
+                )
+            for row in dump.audit:
+                run("INSERT INTO audit (at, actor, action, detail) VALUES (?,?,?,?)", row)
+            for row in dump.usage:
+                run(
+                    "INSERT INTO usage (hour, tenant, key_id, model, requests, prompt_tokens,"
+                    " completion_tokens) VALUES (?,?,?,?,?,?,?)"
+                    " ON CONFLICT (hour, tenant, key_id, model) DO UPDATE SET"
+                    " requests = usage.requests + excluded.requests,"
+                    " prompt_tokens = usage.prompt_tokens + excluded.prompt_tokens,"
+                    " completion_tokens = usage.completion_tokens + excluded.completion_tokens",
+                    row,
+                )
+            run(
+                "UPDATE lease SET holder = NULL, expires_at = 0,"
+                " epoch = CASE WHEN epoch > ? THEN epoch ELSE ? END WHERE id = 1",
+                (dump.epoch, dump.epoch),
+            )
+
+        await self._tx(write)
+        log.info("store %s: imported %s", self.where, dump.describe())
+
+
+@attrs.frozen
+class StoreDump:
+    """A store's rows, columns as `SqlStore.export_rows` reads them, for a move."""
+
+    accounts: tuple[tuple[Any, ...], ...]
+    keys: tuple[tuple[Any, ...], ...]  # with each secret's digest
+    overrides: tuple[tuple[Any, ...], ...]
+    known_nodes: tuple[tuple[Any, ...], ...]
+    audit: tuple[tuple[Any, ...], ...]
+    usage: tuple[tuple[Any, ...], ...]
+    epoch: int  # the lease's: agents refuse a leader below the highest they saw
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.accounts)} accounts, {len(self.keys)} API keys, "
+            f"{len(self.overrides)} node overrides, {len(self.known_nodes)} known nodes, "
+            f"{len(self.audit)} audit entries, {len(self.usage)} usage rows, epoch {self.epoch}"
+        )
+
+
+# --- end of moving a store ---------------------------------------------------------------
 
 
 def known_schema(backend: str) -> int:

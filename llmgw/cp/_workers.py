@@ -293,7 +293,7 @@ async def run_worker(
         store = await open_store(setup["store"])
         keys = StoreKeys(store)
         admin_key = read_admin_key(Path(setup["admin_key"])) if "admin_key" in setup else None
-        router = Router(router_cfg, source, keys, worker=index, admin_key=admin_key)
+        router = Router(router_cfg, source, keys, worker=index, admin_key=admin_key, usage=store)
         seen: set[str] = set()
 
         async def report() -> None:

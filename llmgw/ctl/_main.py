@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -200,6 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     create.add_argument("--band", default="interactive", help="default priority band")
     create.add_argument("--max-band", default=None, help="highest band it may ask for")
     create.add_argument("--name", default="")
+    create.add_argument(
+        "--expires",
+        default=None,
+        metavar="WHEN",
+        help="when it stops working: a time from now (90m, 24h, 30d) or a date "
+        "(2026-12-31, at 00:00 UTC; or an ISO time with its offset)",
+    )
     create.add_argument("--json", action="store_true")
     create.set_defaults(func=_keys_create)
     klist = keys_sub.add_parser("list", help="every key (never the secrets)")
@@ -208,6 +216,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     revoke = keys_sub.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id")
     revoke.set_defaults(func=_keys_revoke)
+
+    tenants = sub.add_parser(
+        "tenants",
+        help="tenants (accounts) and their limits: requests and tokens per minute, highest band",
+    )
+    tenants_sub = tenants.add_subparsers(dest="tenants_command", required=True)
+    tlist = tenants_sub.add_parser("list", help="every tenant, its limits and its active keys")
+    tlist.add_argument("--json", action="store_true")
+    tlist.set_defaults(func=_tenants_list)
+    tcreate = tenants_sub.add_parser("create", help="a new tenant (no limit unless given)")
+    tcreate.add_argument("name")
+    tset = tenants_sub.add_parser(
+        "set", help="change a tenant's limits (`none` lifts one); the others stay as they are"
+    )
+    tset.add_argument("name")
+    for p, none_ok in ((tcreate, False), (tset, True)):
+        lift = "; none: no limit" if none_ok else ""
+        p.add_argument("--rpm", default=None, metavar="N", help="requests per minute" + lift)
+        p.add_argument("--tpm", default=None, metavar="N",
+                       help="prompt + completion tokens per minute" + lift)  # fmt: skip
+        p.add_argument("--max-band", default=None, metavar="B",
+                       help="the highest priority band its keys may ask for" + lift)  # fmt: skip
+        p.add_argument("--json", action="store_true")
+    tcreate.set_defaults(func=_tenants_create)
+    tset.set_defaults(func=_tenants_set)
+    tdelete = tenants_sub.add_parser("delete", help="delete a tenant that has no unrevoked key")
+    tdelete.add_argument("name")
+    tdelete.set_defaults(func=_tenants_delete)
+
+    usage = sub.add_parser(
+        "usage", help="requests and tokens per hour, tenant, key and model, with totals"
+    )
+    usage.add_argument("--tenant", default=None)
+    usage.add_argument("--since", default="7d", help="how far back: 90m, 24h, 7d (default 7d)")
+    usage.add_argument("--json", action="store_true", help="the API's JSON, as is")
+    usage.set_defaults(func=_usage)
+    audit = sub.add_parser("audit", help="what operators did through the admin API, newest first")
+    audit.add_argument("--limit", type=int, default=50, help="newest N (at most 1000)")
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=_audit)
 
     check = sub.add_parser(
         "engine-check", help="check the flags llmgw would pass against each engine's --help"
@@ -274,12 +322,42 @@ def api(args: argparse.Namespace, method: str, route: str, body: Any = None) -> 
     if response.status_code == 401:
         raise CtlError(f"the control plane at {url} refused the admin key (401)")
     if response.status_code >= 400:
+        standby = _standby_message(response)
+        if standby is not None:  # a write sent to a standby: name the leader, nothing else
+            raise CtlError(standby)
         try:
             message = response.json()["error"]["message"]
         except Exception:
             message = response.text[:200]
         raise CtlError(f"{route}: {response.status_code}: {message}")
     return response.json()
+
+
+def _standby_message(response: httpx.Response) -> str | None:
+    """A standby's 409 ("standby; leader is H:P (admin H:P)"), or None for any other error."""
+    if response.status_code != 409:
+        return None
+    try:
+        error = response.json().get("error")
+    except Exception:
+        return None
+    return error if isinstance(error, str) and error.startswith("standby;") else None
+
+
+def _leader_line(args: argparse.Namespace) -> str | None:
+    """`control plane: leader, epoch 7` / `control plane: standby; leader is H:P (admin H:P)`;
+    None from a control plane that predates the leader route."""
+    try:
+        data = api(args, "GET", "/api/v1/leader")
+    except CtlError:
+        return None
+    role, epoch, leader = data.get("role"), data.get("epoch"), data.get("leader")
+    if role == "standby":
+        if isinstance(leader, dict):
+            rpc, admin = leader.get("rpc"), leader.get("admin")
+            return f"control plane: standby; leader is {rpc} (admin {admin})"
+        return "control plane: standby; no leader yet"
+    return f"control plane: {role}, epoch {epoch}"
 
 
 def _node_logs(args: argparse.Namespace) -> int:
@@ -512,6 +590,9 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
+    line = _leader_line(args)
+    if line is not None:
+        print(line)
     now = time.time()
     rows = []
     for m in data["models"]:
@@ -669,12 +750,19 @@ def _keys_create(args: argparse.Namespace) -> int:
         body["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
     if args.max_band:
         body["max_band"] = args.max_band
+    if args.expires is not None:
+        body["expires_at"] = parse_expires(args.expires, now=time.time())
     data = api(args, "POST", "/api/v1/keys", body)
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
     key = data["key"]
-    print(f"key {key['key_id']} for tenant {key['tenant']}; its secret (shown only now):")
+    if data.get("tenant_created"):
+        print(f"tenant {key['tenant']} did not exist: created with no limits "
+              f"(set some with `llmgw ctl tenants set {key['tenant']}`)")  # fmt: skip
+    expiry = "" if key.get("expires_at") is None else f", expires {_when(key['expires_at'])}"
+    print(f"key {key['key_id']} for tenant {key['tenant']} (max band {key['max_band']}{expiry});"
+          " its secret (shown only now):")  # fmt: skip
     print(data["secret"])
     return 0
 
@@ -691,12 +779,146 @@ def _keys_list(args: argparse.Namespace) -> int:
             ",".join(k["models"]) if k["models"] is not None else "all",
             k["default_band"],
             k["max_band"],
-            "revoked" if k["revoked"] else "active",
+            "never" if k.get("expires_at") is None else _when(k["expires_at"]),
+            k.get("state") or ("revoked" if k["revoked"] else "active"),
             k["name"] or "-",
         )
         for k in data["keys"]
     ]
-    print(_table(("KEY", "TENANT", "MODELS", "BAND", "MAX BAND", "STATE", "NAME"), rows))
+    header = ("KEY", "TENANT", "MODELS", "BAND", "MAX BAND", "EXPIRES", "STATE", "NAME")
+    print(_table(header, rows))
+    return 0
+
+
+_DURATION = re.compile(r"^(\d+)([mhd])$")
+_UNIT_S = {"m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, what: str) -> float:
+    """90m, 24h, 7d -> seconds."""
+    found = _DURATION.match(text.strip())
+    if found is None or int(found.group(1)) == 0:
+        raise CtlError(f"{what}: {text!r} is not a time span; expected minutes, hours or days "
+                       "such as 90m, 24h, 7d")  # fmt: skip
+    return int(found.group(1)) * _UNIT_S[found.group(2)]
+
+
+def parse_expires(text: str, *, now: float) -> float:
+    """--expires: a span from now (30d) or a date or ISO time (UTC unless it says)."""
+    if _DURATION.match(text.strip()):
+        return now + parse_duration(text, "--expires")
+    try:
+        when = datetime.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise CtlError(f"--expires: {text!r} is neither a time span (90m, 24h, 30d) nor a date "
+                       "(2026-12-31) or ISO time (2026-12-31T18:00+01:00)") from None  # fmt: skip
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    at = when.timestamp()
+    if at <= now:
+        raise CtlError(f"--expires: {text} ({_when(at)}) is not in the future")
+    return at
+
+
+def _when(at: float) -> str:
+    return datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _limit_arg(value: str | None, what: str, *, none_ok: bool) -> tuple[bool, int | None]:
+    """(given, value) for --rpm/--tpm: a count, or `none` (set only) to lift it."""
+    if value is None:
+        return False, None
+    if none_ok and value.strip().lower() == "none":
+        return True, None
+    if not value.strip().isdigit():
+        lift = " or none" if none_ok else ""
+        raise CtlError(f"--{what}: {value!r} is not a count >= 0{lift}")
+    return True, int(value)
+
+
+def _limits_body(args: argparse.Namespace, *, none_ok: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    for field in ("rpm", "tpm"):
+        given, value = _limit_arg(getattr(args, field), field, none_ok=none_ok)
+        if given:
+            body[field] = value
+    if args.max_band is not None:
+        lift = none_ok and args.max_band.strip().lower() == "none"
+        body["max_band"] = None if lift else args.max_band
+    return body
+
+
+def _tenant_rows(tenants: list[dict[str, Any]]) -> str:
+    rows = [
+        (t["name"], "-" if t["rpm"] is None else str(t["rpm"]),
+         "-" if t["tpm"] is None else str(t["tpm"]), t["max_band"] or "-", str(t["keys"]))
+        for t in tenants
+    ]  # fmt: skip
+    return _table(("TENANT", "RPM", "TPM", "MAX BAND", "KEYS"), rows)
+
+
+def _tenants_list(args: argparse.Namespace) -> int:
+    data = api_get(args, "/api/v1/tenants")
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif not data["tenants"]:
+        print("no tenants (llmgw ctl tenants create NAME)")
+    else:
+        print(_tenant_rows(data["tenants"]))
+        print("(- : no limit; KEYS: keys neither revoked nor expired)")
+    return 0
+
+
+def _tenants_create(args: argparse.Namespace) -> int:
+    body = {"name": args.name, **_limits_body(args, none_ok=False)}
+    data = api(args, "POST", "/api/v1/tenants", body)
+    print(json.dumps(data, indent=2) if args.json else _tenant_rows([data["tenant"]]))
+    return 0
+
+
+def _tenants_set(args: argparse.Namespace) -> int:
+    body = _limits_body(args, none_ok=True)
+    if not body:
+        raise CtlError("tenants set: nothing to change; give --rpm, --tpm or --max-band")
+    data = api(args, "PATCH", f"/api/v1/tenants/{quote(args.name, safe='')}", body)
+    print(json.dumps(data, indent=2) if args.json else _tenant_rows([data["tenant"]]))
+    return 0
+
+
+def _tenants_delete(args: argparse.Namespace) -> int:
+    api(args, "DELETE", f"/api/v1/tenants/{quote(args.name, safe='')}")
+    print(f"tenant {args.name} deleted")
+    return 0
+
+
+def _usage(args: argparse.Namespace) -> int:
+    query = [("since", str(int(parse_duration(args.since, "--since"))))]
+    if args.tenant:
+        query.append(("tenant", args.tenant))
+    data = api_get(args, "/api/v1/usage?" + urlencode(query))
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    rows = [
+        (_when(r["hour"]), r["tenant"], r["key_id"], r["model"], str(r["requests"]),
+         str(r["prompt_tokens"]), str(r["completion_tokens"]))
+        for r in data["rows"]
+    ]  # fmt: skip
+    t = data["totals"]
+    rows.append(("total", "", "", "", str(t["requests"]), str(t["prompt_tokens"]),
+                 str(t["completion_tokens"])))  # fmt: skip
+    header = ("HOUR", "TENANT", "KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION")
+    print(_table(header, rows))
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    data = api_get(args, f"/api/v1/audit?limit={args.limit}")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    rows = [(_when(e["at"]), e["actor"], e["action"], e["detail"]) for e in data["entries"]]
+    print(_table(("AT", "WHO", "ACTION", "DETAIL"), rows) if rows else "no operator actions yet")
     return 0
 
 

@@ -78,6 +78,77 @@ async def test_a_standby_refusal_moves_on_to_the_leader_at_once(tmp_path: Path) 
         nursery.cancel_scope.cancel()
 
 
+class FrozenAfterOne:
+    """A leader that takes one registration, then stops answering (as under SIGSTOP):
+    its session's heartbeats fail and a new registration would hang."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def register(self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle):
+        self.calls += 1
+        if self.calls > 1:
+            await trio.sleep_forever()
+        return DroppingSession(), model.Settings(heartbeat_interval_s=0.05, epoch=1)
+
+
+class TakesOverAfter(Leader):
+    """A standby that names the old leader `refusals` times, then leads."""
+
+    def __init__(self, old_leader: str, refusals: int) -> None:
+        super().__init__()
+        self.old_leader, self.refusals = old_leader, refusals
+
+    async def register(self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle):
+        if self.refusals > 0:
+            self.refusals -= 1
+            agent.release()
+            raise RegistrationRefused(
+                f"standby; leader is {self.old_leader}", leader=self.old_leader
+            )
+        return await super().register(peer, hello, agent)
+
+
+async def test_a_standby_naming_the_leader_just_lost_is_asked_again_not_followed(
+    tmp_path: Path,
+) -> None:
+    """The failover's race: the agent notices the leader's silence before the standby's
+    lease has lapsed, so the standby still names the old leader. Following it would
+    cost a dial to a process that never answers; the agent asks the standby again
+    after its backoff, and registers there once it has taken over."""
+    server_tls, client_tls = loopback_pki(tmp_path, "n1")
+    old = FrozenAfterOne()
+    async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+        old_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, old)
+        new = TakesOverAfter(f"127.0.0.1:{old_port}", refusals=3)
+        new_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, new)
+
+        async def inventory() -> model.Inventory:
+            return model.Inventory(host=model.Host("n1"))
+
+        async def heartbeat(seq: int) -> model.Heartbeat:
+            return model.Heartbeat(seq=seq)
+
+        session = AgentSession(
+            node_id="n1",
+            addresses=[("127.0.0.1", old_port), ("127.0.0.1", new_port)],
+            tls=client_tls,
+            servant=object(),
+            hello_inventory=inventory,
+            heartbeat=heartbeat,
+            backoff=Backoff(initial_s=0.05, max_s=0.05),
+            rng=random.Random(0),
+        )
+        nursery.start_soon(session.run, bridge)
+        with trio.fail_after(10):  # a dial back to the frozen leader would hang 30 s
+            while new.registered != ["n1"]:
+                await trio.sleep(0.01)
+        assert old.calls == 1  # registered once; never dialled again after its session failed
+        assert new.refusals == 0
+        assert session.registered_with == f"127.0.0.1:{new_port}"
+        nursery.cancel_scope.cancel()
+
+
 # --- discovery once per agent process ------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from llmgw import core, model
 from llmgw.cp._catalog import parse
 from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
 from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._store import open_store
 from llmgw.errors import NotFound, UsageError
 from llmgw.router import Router, RouterConfig, StaticKeys
 from llmgw.rpc import PeerInfo
@@ -146,20 +147,26 @@ def _ready(replica: str, port: int) -> model.ShardReport:
     )  # fmt: skip
 
 
-def test_cordon_and_drain_survive_a_restart_and_uncordon_lifts_both(tmp_path: Path) -> None:
-    path = tmp_path / "overrides.json"
+async def test_cordon_and_drain_survive_a_restart_and_uncordon_lifts_both(
+    tmp_path: Path,
+) -> None:
+    store = await open_store(tmp_path)
     first = NodeRegistry(core.LivenessPolicy())
-    first.load_overrides(path)
+    await first.load_state(store)
     first.cordon("n1", "bad fan")
     first.drain("n2", None)
+    await first.flush()
     again = NodeRegistry(core.LivenessPolicy())
-    again.load_overrides(path)
+    await again.load_state(store)
     assert (again.cordoned, again.draining) == ({"n1": "bad fan"}, {"n2": "drained by an operator"})
     assert again.uncordon("n2") == ["drain"]
     assert again.uncordon("n2") == []
+    await again.flush()
     third = NodeRegistry(core.LivenessPolicy())
-    third.load_overrides(path)
+    await third.load_state(store)
     assert (third.cordoned, third.draining) == ({"n1": "bad fan"}, {})
+    assert [(o.node_id, o.kind) for o in await store.overrides()] == [("n1", "cordon")]
+    await store.aclose()
 
 
 async def test_forget_refuses_a_connected_node_and_forget_after_s_forgets_a_lost_one(
@@ -167,8 +174,8 @@ async def test_forget_refuses_a_connected_node_and_forget_after_s_forgets_a_lost
 ) -> None:
     policy = core.LivenessPolicy(heartbeat_interval_s=1, missed_heartbeats=3, lost_after_s=5)
     registry = NodeRegistry(policy, forget_after_s=100)
-    registry.load_overrides(tmp_path / "overrides.json")
-    registry.load_known(tmp_path / "known_nodes.json")
+    store = await open_store(tmp_path)
+    await registry.load_state(store)
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
         peers = {n: _peer(n) for n in ("n1", "n2")}
@@ -190,18 +197,23 @@ async def test_forget_refuses_a_connected_node_and_forget_after_s_forgets_a_lost
         assert [v.node_id for v in registry.views()] == ["n2"]
         assert registry.draining == {}
         nursery.cancel_scope.cancel()
+    await registry.flush()  # what the writer task had not written yet
     again = NodeRegistry(policy)
-    again.load_known(tmp_path / "known_nodes.json")
-    again.load_overrides(tmp_path / "overrides.json")
+    await again.load_state(store)
     assert (again.known, again.draining) == ({"n2"}, {})  # a restart waits for n2 only
+    await store.aclose()
 
 
 async def test_a_known_node_not_back_since_the_restart_can_be_forgotten(tmp_path: Path) -> None:
-    (tmp_path / "known_nodes.json").write_text(json.dumps({"nodes": ["old", "n2"]}))
+    store = await open_store(tmp_path)
+    for node in ("old", "n2"):
+        await store.remember_node(node, "10.0.0.1:5000")
     registry = NodeRegistry(core.LivenessPolicy())
-    registry.load_known(tmp_path / "known_nodes.json")
+    await registry.load_state(store)
     assert registry.forget("old") == "not registered since this start"
-    assert json.loads((tmp_path / "known_nodes.json").read_text()) == {"nodes": ["n2"]}
+    await registry.flush()
+    assert [k.node_id for k in await store.known_nodes()] == ["n2"]
+    await store.aclose()
 
 
 async def test_endpoints_leave_out_retiring_replicas_and_the_router_still_counts_them() -> None:

@@ -9,7 +9,6 @@ after their bound.
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from llmgw import core, model
 from llmgw.cp._catalog import Catalog, parse
 from llmgw.cp._reconciler import Reconciler, node_facts
 from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._store import open_store
 from llmgw.errors import DeadlineExceeded
 from llmgw.rpc import PeerInfo
 
@@ -133,7 +133,9 @@ async def test_a_stuck_agent_holds_up_only_its_own_start(autojump_clock: Any) ->
 
         # One pass places a replica on each node (CPU replicas spread); b and c answer
         # at once although a never does.
-        await wait_until("starts sent", lambda: len(stuck.started) == 1 and b.answered and c.answered)
+        await wait_until(
+            "starts sent", lambda: len(stuck.started) == 1 and b.answered and c.answered
+        )
         assert trio.current_time() - t0 < 1.5 + 0.5  # the settle, and one pass
         passes = reconciler.statistics()["passes"]
 
@@ -188,9 +190,8 @@ async def test_a_start_that_fails_is_not_counted_again(autojump_clock: Any) -> N
 async def test_settle_waits_for_every_known_node_and_a_slow_storm_extends_it(
     autojump_clock: Any, tmp_path: Path
 ) -> None:
-    (tmp_path / "known_nodes.json").write_text(json.dumps({"nodes": ["a", "b", "c", "d"]}))
     registry, reconciler = make(settle_s=2.0, replicas=4)
-    registry.load_known(tmp_path / "known_nodes.json")
+    registry.known = {"a", "b", "c", "d"}  # as load_state reads them (test_drain.py)
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
         await nursery.start(reconciler.run)
@@ -219,9 +220,8 @@ async def test_settle_waits_for_every_known_node_and_a_slow_storm_extends_it(
 async def test_settle_without_the_rest_ends_settle_s_after_the_last_registration(
     autojump_clock: Any, tmp_path: Path
 ) -> None:
-    (tmp_path / "known_nodes.json").write_text(json.dumps({"nodes": ["a", "b", "gone"]}))
     registry, reconciler = make(settle_s=2.0, replicas=2)
-    registry.load_known(tmp_path / "known_nodes.json")
+    registry.known = {"a", "b", "gone"}
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
         await nursery.start(reconciler.run)
@@ -252,35 +252,28 @@ async def test_with_no_known_nodes_settle_is_a_clock_from_the_start(autojump_clo
 async def test_known_nodes_survive_a_restart_and_forgotten_ones_drop_out(
     autojump_clock: Any, tmp_path: Path
 ) -> None:
-    path = tmp_path / "known_nodes.json"
+    store = await open_store(tmp_path)
     registry = NodeRegistry(core.LivenessPolicy())
-    registry.load_known(path)
+    await registry.load_state(store)
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
         await register(registry, "a")
         _, peer_b, _ = await register(registry, "b")
-        await trio.sleep(1.5)  # written on the registry's tick, once for a whole storm
-        assert json.loads(path.read_text()) == {"nodes": ["a", "b"]}
+        # Written by the registry's writer task, never by the registration itself.
+        while registry.store_writes < 2:
+            await trio.sleep(0.05)
+        known = {k.node_id: k.address for k in await store.known_nodes()}
+        assert sorted(known) == ["a", "b"] and known["a"].startswith("10.0.0.")
         peer_b.closed.set()
         await trio.sleep(0.1)
         registry.forget("b")
-        await trio.sleep(1.5)
+        while registry.store_writes < 3:
+            await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
     again = NodeRegistry(core.LivenessPolicy())
-    again.load_known(path)
+    await again.load_state(store)
     assert again.known == {"a"}
-
-
-def test_an_unreadable_known_nodes_file_is_named(tmp_path: Path) -> None:
-    path = tmp_path / "known_nodes.json"
-    path.write_text('["a"]')
-    registry = NodeRegistry(core.LivenessPolicy())
-    try:
-        registry.load_known(path)
-    except Exception as exc:
-        assert str(path) in str(exc) and 'expected {"nodes": [node ids]}' in str(exc)
-    else:
-        raise AssertionError("a list where a mapping belongs was accepted")
+    await store.aclose()
 
 
 # GPU usage from heartbeats reaches placement ---------------------------------------------

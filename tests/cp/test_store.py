@@ -387,3 +387,27 @@ async def test_unreachable_postgresql_names_the_address_not_the_password() -> No
     text = str(err.value)
     assert text.startswith(f"store postgresql://127.0.0.1:{port}/llmgw: "), text
     assert "sekrit" not in text
+
+
+async def test_published_endpoints_are_fenced_by_the_lease(store: SqlStore, where: str) -> None:
+    """The leader's endpoint list for the standbys' routers: written only at the lease's
+    epoch, so a deposed leader cannot overwrite its successor's list."""
+    assert await store.published_endpoints() is None  # nothing published: unknown, not empty
+    a = await store.try_acquire("cp-a", 30)
+    assert a is not None and a.epoch == 1
+    assert await store.publish_endpoints(1, '{"models": {"tiny": []}}')
+    got = await store.published_endpoints()
+    assert got is not None and got[:2] == (1, '{"models": {"tiny": []}}')
+    assert got[2] == pytest.approx(time.time(), abs=60)
+    conn = _raw(where)
+    try:
+        conn.execute("UPDATE lease SET expires_at = 0")  # cp-a paused past its lease
+    finally:
+        conn.close()
+    b = await store.try_acquire("cp-b", 30)
+    assert b is not None and b.epoch == 2
+    assert not await store.publish_endpoints(1, '{"models": {}}')  # the deposed one: refused
+    assert await store.publish_endpoints(2, '{"models": {"big": []}}')
+    assert not await store.publish_endpoints(3, "{}")  # a future epoch is nobody's
+    got = await store.published_endpoints()
+    assert got is not None and got[:2] == (2, '{"models": {"big": []}}')

@@ -213,6 +213,8 @@ def test_ctl_replicas_and_status_print_the_lines(monkeypatch: Any, capsys: Any) 
         "/api/v1/status": {"models": [], "reconciler": {}, "fabrics": [
             {"fabric": None, "nodes": ["a"],
              "models": [{"model": "qwen", "bytes": 10**9, "nodes": ["a"]}]}]},
+        "/api/v1/leader": {"role": "leader", "epoch": 7, "leader": None, "me": None,
+                           "lease_s": 10.0},
     }  # fmt: skip
     monkeypatch.setattr(_main, "api", lambda _args, _method, route, body=None: answers[route])
     assert _main.main(["replicas"]) == 0
@@ -222,6 +224,7 @@ def test_ctl_replicas_and_status_print_the_lines(monkeypatch: Any, capsys: Any) 
     assert lines[3].split()[:3] == ["tiny", "tiny-1", "starting"] and len(lines) == 4
     assert _main.main(["status"]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("control plane: leader, epoch 7\n")
     assert out.endswith("\nFABRIC     NODES  HOLDS\nno fabric  a      qwen (1.0 GB on 1 node)\n")
     # --path belongs to --collect and --node: refused before anything is asked.
     assert _main.main(["weights", "--collect", "--path", "/x"]) == 1

@@ -10,10 +10,12 @@ to wait (node states, the reconciler's pass counter), never as the evidence.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import signal
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -200,8 +202,13 @@ def test_a_restart_waits_for_agents_that_come_back_slowly(
     launches = fleet(cluster, tmp_path, nodes)
     serve(cluster, 4)
     wait_for("4 ready replicas", lambda: ready_replicas(cluster) == 4, 30)
-    known = cluster.root / "cp" / "known_nodes.json"
-    wait_for("known nodes kept", lambda: json.loads(known.read_text())["nodes"] == nodes, 10)
+    store = cluster.root / "cp" / "store.sqlite3"  # the store's known nodes (SQLite, WAL)
+
+    def known() -> list[str]:
+        with contextlib.closing(sqlite3.connect(store)) as db:
+            return [r[0] for r in db.execute("SELECT node_id FROM known_nodes ORDER BY node_id")]
+
+    wait_for("known nodes kept", lambda: known() == nodes, 10)
     assert launches.by_node() == dict.fromkeys(nodes, 1)
 
     stop(cluster, *nodes)  # across the restart: each comes back only when continued

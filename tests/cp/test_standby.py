@@ -1,0 +1,306 @@
+"""A standby control plane: it refuses agents naming the leader, serves the admin API
+read-only, and a deposed one drops its sessions; all over real RPC on loopback."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+from helpers import FakeAgent, loopback_pki, register
+
+from llmgw import core, model
+from llmgw.agent._servant import AgentServant
+from llmgw.agent._session import AgentSession, Backoff
+from llmgw.core._reconcile import Stop
+from llmgw.cp._admin import AdminApp
+from llmgw.cp._catalog import Catalog
+from llmgw.cp._leader import Holder, LeaderView
+from llmgw.cp._reconciler import Reconciler
+from llmgw.cp._registry import NodeRegistry
+from llmgw.errors import RegistrationRefused
+from llmgw.rpc import CapnpThread, PeerInfo
+
+POLICY = core.LivenessPolicy(heartbeat_interval_s=0.2, missed_heartbeats=3, lost_after_s=30)
+LEADER = Holder(rpc="127.0.0.1:7070", admin="127.0.0.1:8081")
+
+
+def session(addresses: list[tuple[str, int]], tls: Any, servant: object = None) -> AgentSession:
+    async def inventory() -> model.Inventory:
+        return model.Inventory(host=model.Host("n1"))
+
+    async def heartbeat(seq: int) -> model.Heartbeat:
+        return model.Heartbeat(seq=seq)
+
+    return AgentSession(
+        node_id="n1",
+        addresses=addresses,
+        tls=tls,
+        servant=servant if servant is not None else object(),
+        hello_inventory=inventory,
+        heartbeat=heartbeat,
+        backoff=Backoff(initial_s=0.1, max_s=0.2),  # a redial is prompt
+        rng=random.Random(0),
+    )
+
+
+async def wait_for(cond: Any, timeout: float = 15.0) -> None:
+    with trio.fail_after(timeout):
+        while not cond():
+            await trio.sleep(0.02)
+
+
+async def test_a_standby_refuses_naming_the_leader_and_the_agent_goes_there(
+    tmp_path: Path,
+) -> None:
+    server_tls, client_tls = loopback_pki(tmp_path, "n1")
+    leader = NodeRegistry(POLICY, epoch=4)
+    standby = NodeRegistry(POLICY, leading=False)
+    async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+        await nursery.start(leader.run)
+        await nursery.start(standby.run)
+        leader_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, leader)
+        standby_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, standby)
+        standby.set_leader(f"127.0.0.1:{leader_port}")
+        # Only the standby is listed: the leader is known to the agent only from the refusal.
+        s = session([("127.0.0.1", standby_port)], client_tls)
+        nursery.start_soon(s.run, bridge)
+        with trio.fail_after(15):
+            await s.connected.wait()
+        assert s.registered_with == f"127.0.0.1:{leader_port}"
+        assert s.control_plane is not None and s.control_plane[2].epoch == 4
+        assert [r.node_id for r in leader.records()] == ["n1"]
+        assert standby.records() == [] and "n1" not in standby.known  # nothing of it read
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_standby_without_a_leader_says_so_and_reads_nothing() -> None:
+    standby = NodeRegistry(POLICY, leading=False)
+    agent = FakeAgent("n1")
+    peer = PeerInfo(1, "10.0.0.1:5000", "n1", trio.Event())
+    hello = model.Hello("n1", "test", model.Inventory(model.Host("n1")), ())
+    with pytest.raises(RegistrationRefused) as refused:
+        await standby.register(peer, hello, agent)  # type: ignore[arg-type]
+    assert str(refused.value) == "standby; no leader yet" and refused.value.leader is None
+    assert agent.released == 1 and standby.records() == []
+    standby.set_leader("cp1:7070")
+    with pytest.raises(RegistrationRefused) as refused:
+        await standby.register(peer, hello, FakeAgent("n1"))  # type: ignore[arg-type]
+    assert str(refused.value) == "standby; leader is cp1:7070"
+    assert refused.value.leader == "cp1:7070"
+    # A leader past its lease by its own clock refuses too, though not yet stepped down.
+    leader = NodeRegistry(POLICY)
+    leader.may_act = lambda: False
+    with pytest.raises(RegistrationRefused, match="standby; no leader yet"):
+        await leader.register(peer, hello, FakeAgent("n1"))  # type: ignore[arg-type]
+    assert leader.agent("n1") is None
+
+
+async def test_a_deposed_registry_drops_its_sessions_and_agents_go_to_the_new_leader(
+    tmp_path: Path,
+) -> None:
+    server_tls, client_tls = loopback_pki(tmp_path, "n1")
+    old = NodeRegistry(POLICY, epoch=1)
+    new = NodeRegistry(POLICY, epoch=2, leading=False)
+    changes: list[str] = []
+    old.listeners.append(lambda: changes.append("changed"))
+    async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+        old.close_connection = bridge.close_connection
+        await nursery.start(old.run)
+        await nursery.start(new.run)
+        old_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, old)
+        new_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, new)
+        new.set_leader(f"127.0.0.1:{old_port}")
+        s = session([("127.0.0.1", old_port), ("127.0.0.1", new_port)], client_tls)
+        nursery.start_soon(s.run, bridge)
+        with trio.fail_after(15):
+            await s.connected.wait()
+        assert s.registered_with == f"127.0.0.1:{old_port}" and s.registrations == 1
+        # The lease passes: the old one steps down, the new one leads.
+        new.lead(2)
+        old.set_leader(f"127.0.0.1:{new_port}")
+        changes.clear()
+        old.step_down("renewal refused: another control plane holds the lease")
+        assert old.records() == [] and old.agent("n1") is None and changes == ["changed"]
+        await wait_for(lambda: s.registrations == 2 and s.registered_with is not None)
+        assert s.registered_with == f"127.0.0.1:{new_port}"
+        assert [r.node_id for r in new.records()] == ["n1"]
+        assert s.control_plane is not None and s.control_plane[2].epoch == 2
+        assert old.records() == []  # it came back to the old one? refused: standby
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stale_epoch_from_a_real_agent_is_counted_and_steps_down(tmp_path: Path) -> None:
+    """The agent has seen epoch 5; this leader is at 1: its stop is refused across the
+    wire as StaleEpoch, decoded as such, counted, and the leader steps down."""
+    server_tls, client_tls = loopback_pki(tmp_path, "n1")
+    registry = NodeRegistry(POLICY, epoch=1)
+    stepped: list[str] = []
+    registry.on_stale = stepped.append
+    servant = AgentServant(None, None)  # type: ignore[arg-type]
+    servant.saw_epoch(5)
+    reconciler = Reconciler(registry, lambda: Catalog())
+    async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, registry)
+        s = session([("127.0.0.1", port)], client_tls, servant)
+        nursery.start_soon(s.run, bridge)
+        with trio.fail_after(15):
+            await s.connected.wait()
+        await reconciler._stop(Stop("n1", "x.0", "a test"))
+        assert registry.commands_refused_stale == 1
+        assert stepped == ["node n1 refused epoch 1 as stale"]
+        nursery.cancel_scope.cancel()
+
+
+# --- the admin API and ctl on a standby ----------------------------------------------
+
+
+class FakeLeadership:
+    def __init__(self, role: str, leader: Holder | None) -> None:
+        self.role, self.leader = role, leader
+
+    def may_act(self) -> bool:
+        return self.role != "standby"
+
+    def view(self) -> LeaderView:
+        me = Holder("127.0.0.1:7071", "127.0.0.1:8082")
+        return LeaderView(self.role, 7, self.leader, me, 10.0, 1, 0)
+
+
+async def asgi(app: AdminApp, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    raw = b"" if body is None else json.dumps(body).encode()
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    scope = {"type": "http", "path": path, "method": method, "query_string": b"",
+             "headers": [(b"authorization", b"Bearer key")]}  # fmt: skip
+    await app(scope, receive, send)
+    return int(sent[0]["status"]), json.loads(sent[1]["body"])
+
+
+async def test_the_admin_api_on_a_standby_is_read_only_and_names_the_leader() -> None:
+    registry = NodeRegistry(POLICY, leading=False)
+    app = AdminApp(registry, "key")
+    app.leadership = FakeLeadership("standby", LEADER)  # type: ignore[assignment]
+    status, body = await asgi(app, "POST", "/api/v1/nodes/n1/cordon", {"reason": "x"})
+    assert status == 409
+    assert body == {
+        "error": "standby; leader is 127.0.0.1:7070 (admin 127.0.0.1:8081)",
+        "leader": {"rpc": "127.0.0.1:7070", "admin": "127.0.0.1:8081"},
+    }
+    assert registry.cordoned == {}
+    status, _ = await asgi(app, "DELETE", "/api/v1/nodes/n1")
+    assert status == 409
+    status, body = await asgi(app, "GET", "/api/v1/nodes")
+    assert status == 200 and body["nodes"] == []  # reads are served
+    status, body = await asgi(app, "GET", "/api/v1/leader")
+    assert status == 200
+    assert body == {
+        "role": "standby", "epoch": 7, "leader": LEADER.json(),
+        "me": {"rpc": "127.0.0.1:7071", "admin": "127.0.0.1:8082"}, "lease_s": 10.0,
+        "commands_refused_stale": 0,
+    }  # fmt: skip
+    app.leadership = FakeLeadership("standby", None)  # type: ignore[assignment]
+    status, body = await asgi(app, "POST", "/api/v1/nodes/n1/cordon", {"reason": "x"})
+    assert status == 409 and body["leader"] is None and body["error"].startswith("standby; no")
+    # The leader takes writes.
+    app.leadership = FakeLeadership("leader", None)  # type: ignore[assignment]
+    registry.lead(8)
+    await register(registry, "n1")
+    status, _ = await asgi(app, "POST", "/api/v1/nodes/n1/cordon", {"reason": "x"})
+    assert status == 200 and "n1" in registry.cordoned
+
+
+def test_ctl_prints_the_standbys_answer_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from llmgw.ctl import _main
+
+    answer = {
+        "error": "standby; leader is 127.0.0.1:7070 (admin 127.0.0.1:8081)",
+        "leader": LEADER.json(),
+    }
+
+    def request(method: str, url: str, **_: Any) -> httpx.Response:
+        assert (method, url) == ("POST", "http://cp2:8081/api/v1/nodes/n1/cordon")
+        return httpx.Response(409, json=answer, request=httpx.Request(method, url))
+
+    monkeypatch.setattr(httpx, "request", request)
+    monkeypatch.setenv("LLMGW_CTL_CONFIG", str(tmp_path / "none.yaml"))
+    monkeypatch.setenv("LLMGW_ADMIN_URL", "http://cp2:8081")
+    monkeypatch.setenv("LLMGW_ADMIN_KEY", "k")
+    assert _main.main(["cordon", "n1"]) == 1
+    err = capsys.readouterr().err
+    assert err == "llmgw ctl: standby; leader is 127.0.0.1:7070 (admin 127.0.0.1:8081)\n"
+
+
+# --- the reconciler on a standby, and after an election ------------------------------
+
+
+class RecordingAgent(FakeAgent):
+    def __init__(self, node_id: str) -> None:
+        super().__init__(node_id)
+        self.started: list[tuple[int, str]] = []
+
+    async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
+        self.started.append((epoch, spec.shard_id))
+        return model.ShardReport(shard_id=spec.shard_id, model=spec.model, engine=spec.engine,
+                                 state="starting", port=spec.port, replica_id=spec.replica_id,
+                                 model_name=spec.model_name, rank=spec.rank, ranks=spec.ranks,
+                                 gpus=spec.gpus, profile_fingerprint=spec.profile_fingerprint)  # fmt: skip
+
+
+def tiny() -> Catalog:
+    from llmgw.cp._catalog import parse
+
+    return parse(
+        {"models": [{"name": "tiny", "source": "/models/tiny.gguf", "replicas": 1,
+                     "profiles": [{"engine": "llama-server", "gpus_per_node": 0}]}]},
+        "server.yaml",
+    )  # fmt: skip
+
+
+async def test_a_standby_reconciler_does_nothing_and_the_settle_counts_from_the_election(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    quiet = core.LivenessPolicy(heartbeat_interval_s=60, lost_after_s=600)  # no beats needed
+    registry = NodeRegistry(quiet, leading=False)
+    registry.known = {"a", "b"}  # as the store had them
+    reconciler = Reconciler(registry, tiny, interval_s=0.5, settle_s=3.0)
+    registry.listeners.append(reconciler.poke)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await nursery.start(reconciler.run)
+        # Long past the longest settle counted from the process start (6 x settle_s).
+        await trio.sleep(30)
+        assert reconciler.statistics()["passes"] >= 10
+        assert reconciler.unplaced() == [] and reconciler.replicas() == []  # "no node fits": unsaid
+        assert registry.events.events() == ()
+        registry.lead(2)
+        reconciler.elected()
+        elected_at = trio.current_time()
+        agent = RecordingAgent("a")
+        await register(registry, "a", agent=agent)
+        with trio.fail_after(30):
+            while not agent.started:
+                await trio.sleep(0.05)
+        # b never comes: the new leader waits settle_s for it, from the election.
+        assert trio.current_time() - elected_at >= 3.0
+        assert agent.started[0][0] == 2  # the command carries the lease's epoch
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
