@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/rpc.py
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/install.py
+	$(BIN)/python bench/failover.py
 
 clean:
 	rm -rf $(VENV) demo-state .pytest_cache .mypy_cache .ruff_cache .hypothesis

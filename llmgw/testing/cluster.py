@@ -90,6 +90,76 @@ class Proc:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def freeze(self) -> None:
+        """SIGSTOP its whole process group (llmgw-cp and its router workers), as a machine
+        that hangs: sockets stay open, nothing answers."""
+        os.killpg(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.killpg(self.pid, signal.SIGCONT)
+
+
+class ControlPlane:
+    """One llmgw-cp of a LocalCluster: its ports, state directory, server.yaml, log and
+    process. Every control plane of a cluster shares the PKI, the catalog and
+    `server_extra` (so `store:` and `lease_s`); each advertises its own RPC address."""
+
+    def __init__(self, cluster: LocalCluster, name: str, *, config: Path | None = None) -> None:
+        self.cluster = cluster
+        self.name = name
+        self.rpc_port = free_port(cluster.rpc_host)
+        self.admin_port = free_port()
+        self.router_port = free_port()
+        self.state_dir = cluster.root / name
+        self.config = config or cluster.root / f"server-{name}.yaml"
+        self.log = cluster.root / f"{name}.log"
+        self.proc: Proc | None = None
+
+    def __repr__(self) -> str:
+        return f"<ControlPlane {self.name} rpc={self.rpc} proc={self.proc!r}>"
+
+    @property
+    def rpc(self) -> str:
+        """The address agents dial, as it advertises it."""
+        return f"{self.cluster.rpc_host}:{self.rpc_port}"
+
+    @property
+    def admin(self) -> str:
+        return f"127.0.0.1:{self.admin_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.admin}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}/v1"
+
+    @property
+    def admin_key(self) -> str:
+        return (self.state_dir / "admin.key").read_text().strip()
+
+    def leader(self) -> dict[str, Any]:
+        """Its `GET /api/v1/leader`."""
+        import httpx
+
+        response = httpx.get(
+            self.admin_url + "/api/v1/leader",
+            headers={"Authorization": f"Bearer {self.admin_key}"},
+            timeout=5,
+        )
+        response.raise_for_status()
+        return dict(response.json())
+
+    def healthy(self) -> bool:
+        import httpx
+
+        return httpx.get(self.admin_url + "/healthz", timeout=2).status_code == 200
+
+    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`llmgw ctl` against this control plane's admin API, with its admin key."""
+        return self.cluster.ctl(*args, check=check, admin=(self.admin_url, self.admin_key))
+
 
 class LocalCluster:
     def __init__(
@@ -105,9 +175,10 @@ class LocalCluster:
         self.pki = root / "pki"
         self.rpc_host = rpc_host
         self.server_names = list(server_names)
-        self.rpc_port = free_port(rpc_host)
-        self.admin_port = free_port()
-        self.router_port = free_port()
+        # The first control plane keeps the single-CP names (server.yaml, cp/, cp.log,
+        # `cp`, `rpc_port`, ...); `add_control_plane` adds more beside it.
+        self.first = ControlPlane(self, "cp", config=root / "server.yaml")
+        self.more: dict[str, ControlPlane] = {}
         self.router_extra: dict[str, Any] = {}
         self.server_extra: dict[str, Any] = {}  # more server.yaml keys, as they are
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -116,19 +187,64 @@ class LocalCluster:
         # The weights mirror's directory (served over TLS on mirror_port); None: no mirror.
         self.mirror_dir: Path | None = None
         self.mirror_port = free_port()
-        self.cp: Proc | None = None
         self.agents: dict[str, Proc] = {}
         self.env = dict(os.environ)
         self.env.pop("LLMGW_AGENT_CONFIG", None)
         self.env["PYTHONUNBUFFERED"] = "1"
 
     @property
+    def cp(self) -> Proc | None:
+        return self.first.proc
+
+    @cp.setter
+    def cp(self, proc: Proc | None) -> None:
+        self.first.proc = proc
+
+    @property
+    def rpc_port(self) -> int:
+        return self.first.rpc_port
+
+    @rpc_port.setter
+    def rpc_port(self, port: int) -> None:
+        self.first.rpc_port = port
+
+    @property
+    def admin_port(self) -> int:
+        return self.first.admin_port
+
+    @admin_port.setter
+    def admin_port(self, port: int) -> None:
+        self.first.admin_port = port
+
+    @property
+    def router_port(self) -> int:
+        return self.first.router_port
+
+    @router_port.setter
+    def router_port(self, port: int) -> None:
+        self.first.router_port = port
+
+    @property
     def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
+        return self.first.admin_url
 
     @property
     def router_url(self) -> str:
-        return f"http://127.0.0.1:{self.router_port}/v1"
+        return self.first.router_url
+
+    @property
+    def control_planes(self) -> list[ControlPlane]:
+        """The first control plane, then those added, in order."""
+        return [self.first, *self.more.values()]
+
+    def add_control_plane(self, name: str) -> ControlPlane:
+        """Another llmgw-cp sharing the PKI, the catalog and `server_extra` (put the shared
+        `store:` there), with its own state directory, ports and advertised RPC address.
+        Agents configured after this list every control plane's address, first one first."""
+        if name in self.more or name == self.first.name or name in ("pki", "bin"):
+            raise ValueError(f"control plane name {name!r} is taken; pick another")
+        cp = self.more[name] = ControlPlane(self, name)
+        return cp
 
     def api_key(self, tenant: str = "test", *extra: str) -> str:
         """A new router API key (its secret)."""
@@ -137,7 +253,7 @@ class LocalCluster:
 
     @property
     def admin_key(self) -> str:
-        return (self.root / "cp" / "admin.key").read_text().strip()
+        return self.first.admin_key
 
     def setup(self, nodes: Sequence[str]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -152,16 +268,25 @@ class LocalCluster:
             self.write_agent_config(node)
 
     def write_server_config(self, models: list[dict[str, Any]] | None = None) -> Path:
-        """server.yaml; `models` replaces the catalog (the running control plane reloads it)."""
+        """server.yaml (and each added control plane's); `models` replaces the catalog (the
+        running control planes reload it). Returns the first control plane's file."""
         if models is not None:
             self.models = models
+        for cp in self.more.values():
+            self._write_cp_config(cp)
+        return self._write_cp_config(self.first)
+
+    def _write_cp_config(self, cp: ControlPlane) -> Path:
+        # With one control plane its file stays as it always was: no `advertise`.
+        advertise = {"advertise": cp.rpc} if self.more else {}
         return self._write(
-            "server.yaml",
+            cp.config.name,
             {
-                "state_dir": str(self.root / "cp"),
-                "rpc_listen": f"{self.rpc_host}:{self.rpc_port}",
-                "admin_listen": f"127.0.0.1:{self.admin_port}",
-                "router_listen": f"127.0.0.1:{self.router_port}",
+                "state_dir": str(cp.state_dir),
+                "rpc_listen": f"{self.rpc_host}:{cp.rpc_port}",
+                "admin_listen": cp.admin,
+                "router_listen": f"127.0.0.1:{cp.router_port}",
+                **advertise,
                 "router": self.router_extra,
                 "heartbeat_interval_s": self.heartbeat_interval_s,
                 "reconcile_interval_s": 0.5,
@@ -187,11 +312,21 @@ class LocalCluster:
             },
         )
 
-    def write_agent_config(self, node: str, *, cert_node: str | None = None, **extra: Any) -> Path:
+    def write_agent_config(
+        self,
+        node: str,
+        *,
+        cert_node: str | None = None,
+        servers: Sequence[str] | None = None,
+        **extra: Any,
+    ) -> Path:
+        """`servers`: the control planes it dials, in order (default: every one, first first)."""
         cert_node = cert_node or node
         body = {
             "node_id": node,
-            "servers": [f"{self.rpc_host}:{self.rpc_port}"],
+            "servers": list(servers)
+            if servers is not None
+            else [cp.rpc for cp in self.control_planes],
             "state_dir": str(self.root / node),
             "weights_dir": str(self.root / f"{node}-weights"),
             "reconnect_max_s": 1.0,
@@ -214,15 +349,25 @@ class LocalCluster:
         tmp.replace(path)
         return path
 
-    def start_cp(self) -> Proc:
-        self.cp = Proc(
-            "llmgw-cp",
-            [sys.executable, "-m", "llmgw.cp", "--config", str(self.root / "server.yaml")],
-            self.root / "cp.log",
+    def start_cp(self, name: str | None = None) -> Proc:
+        """Start the first control plane, or the one added as `name`; waits for /healthz."""
+        cp = self.first if name is None else self.more[name]
+        proc = cp.proc = Proc(
+            "llmgw-cp" if name is None else f"llmgw-cp {name}",
+            [sys.executable, "-m", "llmgw.cp", "--config", str(cp.config)],
+            cp.log,
             self.env,
         )
-        wait_for("admin API", lambda: self._healthz(), 20)
-        return self.cp
+
+        def up() -> bool:
+            if not proc.alive():
+                return True  # said below, at once: waiting longer will not help
+            return cp.healthy()
+
+        wait_for(f"the admin API of {cp.name}", up, 20)
+        if not proc.alive():
+            raise AssertionError(f"{proc!r} exited at start:\n{proc.output()[-3000:]}")
+        return proc
 
     def start_agent(self, node: str, *, env: Mapping[str, str] | None = None) -> Proc:
         proc = Proc(
@@ -235,12 +380,14 @@ class LocalCluster:
         return proc
 
     def _healthz(self) -> bool:
-        import httpx
+        return self.first.healthy()
 
-        return httpx.get(self.admin_url + "/healthz", timeout=2).status_code == 200
-
-    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        env = {**self.env, "LLMGW_ADMIN_URL": self.admin_url, "LLMGW_ADMIN_KEY": self.admin_key}
+    def ctl(
+        self, *args: str, check: bool = True, admin: tuple[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """`llmgw ctl` against the first control plane, or `admin` (its URL, its key)."""
+        url, key = admin or (self.admin_url, self.admin_key)
+        env = {**self.env, "LLMGW_ADMIN_URL": url, "LLMGW_ADMIN_KEY": key}
         done = subprocess.run(
             [sys.executable, "-m", "llmgw", "ctl", *args],
             capture_output=True,
@@ -267,8 +414,11 @@ class LocalCluster:
         return dict(wait_for(f"nodes {dict(want)}", check, timeout))
 
     def stop_all(self) -> None:
-        for proc in [*self.agents.values(), *([self.cp] if self.cp else [])]:
+        cps = [cp.proc for cp in self.control_planes if cp.proc is not None]
+        for proc in [*self.agents.values(), *cps]:
             if proc.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    proc.thaw()  # a frozen one would never see its SIGTERM
                 proc.terminate()
         self.kill_engines()
 
