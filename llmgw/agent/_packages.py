@@ -120,6 +120,13 @@ def last_meaningful_line(output: str) -> str:
     return lines[-1] if lines else "no output"
 
 
+def _stale_lists(family: str, output: str) -> bool:
+    """Whether apt-get failed for want of package lists (never updated on this image)."""
+    return family == "debian" and (
+        "Unable to locate package" in output or "has no installation candidate" in output
+    )
+
+
 def _duration(seconds: float) -> str:
     if seconds >= 60 and math.isclose(seconds % 60, 0, abs_tol=1e-6):
         return f"{int(seconds // 60)} min"
@@ -178,6 +185,7 @@ class PackageInstaller:
             raise PackageError(f"installing {names} needs {wanted}, which is not on PATH")
         argv = [*command, *packages]
         waiting_since: float | None = None
+        updated = False
         while True:
             self.attempts += 1
             status, output = await self._run(argv)
@@ -187,6 +195,18 @@ class PackageInstaller:
             if status is None:
                 raise PackageError(f"{shown} did not finish within {_duration(self.timeout_s)}")
             if not only_lock(self.family, output):
+                if not updated and _stale_lists(self.family, output):
+                    # A fresh image ships no package lists: apt-get cannot find anything
+                    # until `apt-get update` has run. Once, then the install again.
+                    updated = True
+                    on_wait(f"{tool} knows no such package: running {tool} update")
+                    up_status, up_output = await self._run([command[0], "update"])
+                    if up_status == 0:
+                        continue
+                    raise PackageError(
+                        f"{shown} exited {status}: {last_meaningful_line(output)}; "
+                        f"{tool} update did not help: {last_meaningful_line(up_output)}"
+                    )
                 raise PackageError(f"{shown} exited {status}: {last_meaningful_line(output)}")
             now = self._clock()
             if waiting_since is None:

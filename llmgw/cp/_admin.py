@@ -614,6 +614,10 @@ class AdminApp:
             try:
                 # The bridge bounds the call with its per-call deadline.
                 done: model.Reclaimed = await agent.reclaim(self._registry.epoch, asked, dry_run)
+            except StaleEpoch as exc:  # another control plane leads: counted, and step down
+                self._registry.stale_epoch(rec.node_id, exc)
+                row["error"] = str(exc)
+                return
             except LlmgwError as exc:
                 row["error"] = str(exc)
                 return

@@ -162,11 +162,34 @@ async def test_a_failure_that_is_not_a_lock_names_the_last_line(tmp_path: Path) 
         await PackageInstaller("debian", retry_s=0.01, env=env_with(bin_dir)).install(
             ["libgomp9"], on_wait=waits.append
         )
-    assert (
-        str(info.value)
-        == "apt-get install libgomp9 exited 100: E: Unable to locate package libgomp9"
+    # Not found even after `apt-get update` (tried once): the install's own last line,
+    # and what the update said.
+    assert str(info.value) == (
+        "apt-get install libgomp9 exited 100: E: Unable to locate package libgomp9; "
+        "apt-get update did not help: E: Unable to locate package libgomp9"
     )
-    assert waits == [] and len(calls_of(calls)) == 1
+    argvs = [c["argv"][1] for c in calls_of(calls)]
+    assert argvs == ["install", "update"]
+    assert waits == ["apt-get knows no such package: running apt-get update"]
+
+
+async def test_a_fresh_image_without_package_lists_is_updated_once_then_installed(
+    tmp_path: Path,
+) -> None:
+    """A cloud image or container ships no apt lists: the first install finds nothing
+    ("Unable to locate package"); `apt-get update` runs once and the install again."""
+    err = b"E: Unable to locate package libgomp1\n"
+    bin_dir, calls = fake_manager(tmp_path, "apt-get", 1, (100, b"", err))
+    waits: list[str] = []
+    installer = PackageInstaller("debian", retry_s=0.01, env=env_with(bin_dir))
+    await installer.install(["libgomp1"], on_wait=waits.append)
+    argvs = [c["argv"][1:] for c in calls_of(calls)]
+    assert argvs == [
+        ["install", "-y", "--no-install-recommends", "libgomp1"],
+        ["update"],
+        ["install", "-y", "--no-install-recommends", "libgomp1"],
+    ]
+    assert waits == ["apt-get knows no such package: running apt-get update"]
 
 
 async def test_not_root_is_refused_with_the_command_to_run(tmp_path: Path) -> None:
