@@ -65,32 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     try:
-        cfg = config.load(args.config, config.ServerConfig)
-        data = _catalog_file.read_data(args.config)
-        catalog = CatalogFile(args.config, _catalog.parse(data, str(args.config)))
-        router_cfg = config.structure(cfg.router, RouterConfig, str(args.config), at="router")
-        if router_cfg.workers > 1 and cfg.router_listen is None:
-            raise ConfigError(
-                f"{args.config}: router.workers: {router_cfg.workers}, but router_listen is "
-                "null: workers serve router_listen (set it, or set router.workers to 1)"
-            )
-        sock = cfg.state_dir / SOCKET_NAME
-        if router_cfg.workers > 1 and len(os.fsencode(sock)) > 107:
-            raise ConfigError(
-                f"{args.config}: router.workers: {router_cfg.workers}: the workers' socket "
-                f"{sock} is longer than a Unix socket path may be (107 bytes): shorten state_dir"
-            )
-        # Before anything starts: a missing file is named by its key, not only its path.
-        config.check_tls_files(cfg.tls, args.config)
-        config.check_mirror_dir(cfg.mirror, args.config)
-        # The mirror's hash cache: the archives' sha256 computed here are the ones the
-        # mirror then serves without reading the files again.
-        hashes = ManifestCache()
-        catalog.load_engines = load_engines = engine_loader(cfg, args.config, hashes)
-        catalog.engines = trio.run(load_engines, data)
+        loaded = load_server(args.config)
     except ConfigError as exc:
         print(f"llmgw-cp: {exc}", file=sys.stderr)
         return 2
+    cfg, catalog, router_cfg, hashes = loaded
     return run_service(
         "llmgw-cp",
         lambda: serve(cfg, catalog, router_cfg, log_level=args.log_level, hashes=hashes),
@@ -100,6 +79,39 @@ def main(argv: list[str] | None = None) -> int:
 async def open_configured_store(cfg: config.ServerConfig, source: str = "server.yaml") -> SqlStore:
     """The store server.yaml names (SQLite in state_dir when it names none), migrated."""
     return await open_store(store_location(cfg.store, cfg.state_dir, source))
+
+
+def load_server(
+    path: Path, *, check_tls: bool = True
+) -> tuple[config.ServerConfig, CatalogFile, RouterConfig, ManifestCache]:
+    """server.yaml as llmgw-cp reads it at start, catalog and engines included: the
+    config, the catalog, the router's settings and the mirror's hash cache (whose sha256
+    of the engine archives the mirror then serves without reading them again).
+    ConfigError names what is wrong. `check_tls`: whether the TLS files must exist
+    (False only to check an example written for another machine)."""
+    cfg = config.load(path, config.ServerConfig)
+    data = _catalog_file.read_data(path)
+    catalog = CatalogFile(path, _catalog.parse(data, str(path)))
+    router_cfg = config.structure(cfg.router, RouterConfig, str(path), at="router")
+    if router_cfg.workers > 1 and cfg.router_listen is None:
+        raise ConfigError(
+            f"{path}: router.workers: {router_cfg.workers}, but router_listen is "
+            "null: workers serve router_listen (set it, or set router.workers to 1)"
+        )
+    sock = cfg.state_dir / SOCKET_NAME
+    if router_cfg.workers > 1 and len(os.fsencode(sock)) > 107:
+        raise ConfigError(
+            f"{path}: router.workers: {router_cfg.workers}: the workers' socket "
+            f"{sock} is longer than a Unix socket path may be (107 bytes): shorten state_dir"
+        )
+    # Before anything starts: a missing file is named by its key, not only its path.
+    if check_tls:
+        config.check_tls_files(cfg.tls, path)
+    config.check_mirror_dir(cfg.mirror, path)
+    hashes = ManifestCache()
+    catalog.load_engines = load_engines = engine_loader(cfg, path, hashes)
+    catalog.engines = trio.run(load_engines, data)
+    return cfg, catalog, router_cfg, hashes
 
 
 def engine_loader(
