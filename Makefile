@@ -6,11 +6,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint components fuzz bench clean
+.PHONY: demo test lint components fuzz bench clean dist constraints
 
-$(STAMP): pyproject.toml
+# Runtime dependencies at the release's pins (constraints.txt), so the tests run what
+# `make dist` ships; the test tools resolve freely.
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -27,6 +29,16 @@ components:
 test: lint components
 	$(BIN)/python -m pytest
 
+# The release a node installs from its control plane's mirror (docs/operations.md,
+# "Releases and the mirror"): dist/ holds the wheel, wheelhouse/, constraints.txt,
+# bootstrap.py and SHA256SUMS. PYTHON is the interpreter the nodes run.
+dist:
+	PYTHON=$(PYTHON) scripts/dist
+
+# constraints.txt from what .venv resolved for pyproject's dependencies.
+constraints: $(STAMP)
+	$(BIN)/python scripts/constraints
+
 bench: $(STAMP)
 	$(BIN)/python bench/rpc.py
 	$(BIN)/python bench/fleet.py
@@ -34,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/failover.py
 
 clean:
-	rm -rf $(VENV) demo-state .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) demo-state dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
