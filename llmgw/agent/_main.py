@@ -14,7 +14,7 @@ import trio
 
 from llmgw import config, model
 from llmgw._process import run_service, setup_logging
-from llmgw.agent import _logs, _packages
+from llmgw.agent import _install, _logs, _packages
 from llmgw.agent._engines import Installer, PipTls, Placement
 from llmgw.agent._fetch import Fetcher
 from llmgw.agent._node import Node
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run the agent (the default)")
     inv = sub.add_parser("inventory", help="print what the control plane would see of this node")
     inv.add_argument("--json", action="store_true", help="machine-readable output")
+    _install.register(sub)
     for p in (parser, run, inv):
         p.add_argument(
             "--config",
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     args = parser.parse_args(argv)
     setup_logging(args.log_level or ("WARNING" if args.command == "inventory" else None))
+    if args.command == "install":
+        return _install.run(args)
     path = getattr(args, "config", None)
     if args.command == "inventory":
         return _inventory(path, args.json)

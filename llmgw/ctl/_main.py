@@ -17,7 +17,7 @@ from urllib.parse import quote, urlencode
 import httpx
 
 from llmgw import config
-from llmgw.ctl import _cert, _weights
+from llmgw.ctl import _cert, _onboard, _release, _weights
 from llmgw.errors import ConfigError, LlmgwError
 
 DEFAULT_CTL_CONFIG = Path("~/.config/llmgw/ctl.yaml")
@@ -265,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=_engine_check)
     _cert.register(sub)
+    _onboard.register(sub)
+    _release.register(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:  # engine arguments, untouched by our parser

@@ -105,7 +105,7 @@ def test_router_only_process_serves_and_stops_on_sigterm(
     log = tmp_path / "router.log"
     proc = start_router(cfg, log)
     try:
-        wait_for("router", lambda: "router listening" in log.read_text(), timeout=20, interval=0.1)
+        wait_for("router", lambda: "router listening" in log.read_text(), timeout=60, interval=0.1)
         base = f"http://127.0.0.1:{port}/v1"
         for key in (secret, "llmgw-static-one"):
             with openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=20) as c:
