@@ -10,6 +10,7 @@ import contextlib
 import functools
 import http.server
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -424,3 +426,72 @@ def postgres_admin(*, create_user: bool = False) -> Iterator[tuple[str, str | No
                 capture_output=True, env=env, timeout=60,
             )  # fmt: skip
         shutil.rmtree(top, ignore_errors=True)
+
+
+# --- an sshd on loopback (onboarding over ssh) ---------------------------------------
+
+SSHD = "/usr/sbin/sshd"
+
+
+def require_sshd() -> None:
+    """What `sshd()` needs: sshd, the ssh client, /run/sshd, root (CI: a failure)."""
+    require(shutil.which("ssh") is not None, "no ssh client (Debian: openssh-client)")
+    require(os.access(SSHD, os.X_OK), f"no {SSHD} (Debian: openssh-server; scripts/components)")
+    require(
+        Path("/run/sshd").is_dir(),
+        "no /run/sshd, sshd's privilege separation directory (scripts/components makes it)",
+    )
+    require(os.geteuid() == 0, "sshd on loopback runs as root here")
+
+
+@attrs.define
+class Sshd:
+    port: int
+    options: list[str]
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@contextlib.contextmanager
+def sshd(tmp: Path) -> Iterator[Sshd]:
+    """An sshd of its own: a throwaway host key and user key, its config in tmp, -D -e."""
+    tmp.mkdir()
+    for name in ("host_key", "user_key"):
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / name)],
+            check=True,
+            timeout=30,
+        )
+    auth = tmp / "authorized_keys"
+    auth.write_bytes((tmp / "user_key.pub").read_bytes())
+    auth.chmod(0o600)
+    port = _free_port()
+    (tmp / "sshd_config").write_text(
+        f"ListenAddress 127.0.0.1\nPort {port}\nHostKey {tmp / 'host_key'}\nPidFile none\n"
+        f"AuthorizedKeysFile {auth}\nPermitRootLogin prohibit-password\n"
+        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+        "StrictModes no\n"
+    )
+    log = tmp / "sshd.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(tmp / "sshd_config")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        from llmgw.testing.cluster import wait_for
+
+        wait_for("sshd listening", lambda: "Server listening" in log.read_text(), 20)
+        options = [
+            f"-p {port}",
+            f"-i {tmp / 'user_key'}",
+            "-o IdentitiesOnly=yes",
+            "-o StrictHostKeyChecking=accept-new",
+            f"-o UserKnownHostsFile={tmp / 'known_hosts'}",
+        ]
+        yield Sshd(port, options, proc, log)
+    finally:
+        proc.terminate()
+        proc.wait(10)

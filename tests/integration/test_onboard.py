@@ -15,77 +15,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import attrs
 import pytest
-from helpers import require
+from helpers import Sshd, require_sshd, sshd
 
-from llmgw.testing.cluster import LocalCluster, free_port, wait_for
+from llmgw.testing.cluster import LocalCluster, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-SSHD = "/usr/sbin/sshd"
 # The interpreter the node's venv is made with: the one the wheelhouse was built for.
 NODE_PYTHON = getattr(sys, "_base_executable", sys.executable)
-
-
-def _require_sshd() -> None:
-    require(shutil.which("ssh") is not None, "no ssh client (Debian: openssh-client)")
-    require(os.access(SSHD, os.X_OK), f"no {SSHD} (Debian: openssh-server; scripts/components)")
-    require(
-        Path("/run/sshd").is_dir(),
-        "no /run/sshd, sshd's privilege separation directory (scripts/components makes it)",
-    )
-    require(os.geteuid() == 0, "sshd on loopback runs as root here")
-
-
-@attrs.define
-class Sshd:
-    port: int
-    options: list[str]
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-
-@contextlib.contextmanager
-def sshd(tmp: Path) -> Iterator[Sshd]:
-    """An sshd of its own: a throwaway host key and user key, its config in tmp, -D -e."""
-    tmp.mkdir()
-    for name in ("host_key", "user_key"):
-        subprocess.run(
-            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / name)],
-            check=True,
-            timeout=30,
-        )
-    auth = tmp / "authorized_keys"
-    auth.write_bytes((tmp / "user_key.pub").read_bytes())
-    auth.chmod(0o600)
-    port = free_port()
-    (tmp / "sshd_config").write_text(
-        f"ListenAddress 127.0.0.1\nPort {port}\nHostKey {tmp / 'host_key'}\nPidFile none\n"
-        f"AuthorizedKeysFile {auth}\nPermitRootLogin prohibit-password\n"
-        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
-        "StrictModes no\n"
-    )
-    log = tmp / "sshd.log"
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [SSHD, "-D", "-e", "-f", str(tmp / "sshd_config")],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        wait_for("sshd listening", lambda: "Server listening" in log.read_text(), 20)
-        options = [
-            f"-p {port}",
-            f"-i {tmp / 'user_key'}",
-            "-o IdentitiesOnly=yes",
-            "-o StrictHostKeyChecking=accept-new",
-            f"-o UserKnownHostsFile={tmp / 'known_hosts'}",
-        ]
-        yield Sshd(port, options, proc, log)
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def build_release(tmp: Path) -> Path:
@@ -109,7 +46,7 @@ def build_release(tmp: Path) -> Path:
 
 @contextlib.contextmanager
 def fleet(tmp_path: Path) -> Iterator[tuple[LocalCluster, Sshd]]:
-    _require_sshd()
+    require_sshd()
     dist = build_release(tmp_path)
     cluster = LocalCluster(tmp_path / "fleet")
     cluster.mirror_dir = tmp_path / "mirror"
@@ -265,7 +202,7 @@ def test_install_from_the_mirror_on_the_node_itself_without_ssh(tmp_path: Path) 
     its certificate and runs `llmgw-agent install --from https://CP:PORT/` itself; the
     release is installed from the mirror and that installation writes the configuration
     and starts the agent, which registers with its labels."""
-    _require_sshd()  # not used here; the fleet fixture starts one
+    require_sshd()  # not used here; the fleet fixture starts one
     root = tmp_path / "node-43"
     with fleet(tmp_path) as (cluster, _server):
         from llmgw.ctl import _cert
