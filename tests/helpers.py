@@ -495,3 +495,32 @@ def sshd(tmp: Path) -> Iterator[Sshd]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def asgi_call(
+    app: Any, method: str, path: str, body: Any = None, *, key: str = "key"
+) -> tuple[int, Any]:
+    """One request through an ASGI app (the admin API) as hypercorn would hand it over,
+    with `Authorization: Bearer KEY`; `path` may carry a query string. Returns the status
+    and the JSON body."""
+    import json
+
+    raw = b"" if body is None else json.dumps(body).encode()
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    route, _, query = path.partition("?")
+    scope = {
+        "type": "http",
+        "path": route,
+        "method": method,
+        "query_string": query.encode(),
+        "headers": [(b"authorization", b"Bearer " + key.encode())],
+    }
+    await app(scope, receive, send)
+    return int(sent[0]["status"]), json.loads(sent[1]["body"])

@@ -93,7 +93,8 @@ def new_key(
 
 
 class KeyStore(Protocol):
-    """Where keys live: SQLite now, PostgreSQL later. Every method is async."""
+    """Where keys live: the control plane's store (llmgw/cp/_accounts.py StoreKeys), a
+    configuration file's static keys, or the standalone router's SQLite file. Async."""
 
     async def create(
         self,

@@ -3,7 +3,6 @@ on the store (llmgw/cp/_store.py) over SQLite and a real PostgreSQL started here
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import asgi_call as call
 from helpers import postgres_server, register
 
 from llmgw import core
@@ -51,26 +51,6 @@ def make_app(store: SqlStore, registry: NodeRegistry | None = None) -> AdminApp:
     registry = registry or NodeRegistry(core.LivenessPolicy())
     keys = CachedKeys(StoreKeys(store))
     return AdminApp(registry, "key", keys=keys, store=store, bands=BANDS)
-
-
-async def call(
-    app: AdminApp, method: str, path: str, body: Any = None
-) -> tuple[int, dict[str, Any]]:
-    """One request through the app as hypercorn would hand it over."""
-    raw = b"" if body is None else json.dumps(body).encode()
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    async def send(message: Any) -> None:
-        sent.append(dict(message))
-
-    route, _, query = path.partition("?")
-    scope = {"type": "http", "path": route, "method": method, "query_string": query.encode(),
-             "headers": [(b"authorization", b"Bearer key")]}  # fmt: skip
-    await app(scope, receive, send)
-    return int(sent[0]["status"]), json.loads(sent[1]["body"])
 
 
 def message(reply: tuple[int, dict[str, Any]]) -> tuple[int, str]:

@@ -5,12 +5,12 @@ answer `reclaim` (the real agent's side is tested in tests/ctl/test_ctl_weights.
 
 from __future__ import annotations
 
-import json
 import types
 from typing import Any
 
 import trio
 from helpers import FakeAgent, register
+from helpers import asgi_call as asgi
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -82,25 +82,6 @@ def _inventory(
         fabrics=tuple(model.Fabric(f, ("mlx5_0",), 200.0) for f in fabrics),
         weights=model.Weights("fp", tuple(model.WeightFile(p, s) for p, s in files), dir=wd),
     )
-
-
-async def asgi(
-    app: AdminApp, method: str, path: str, body: Any = None
-) -> tuple[int, dict[str, Any]]:
-    """One request through the app as hypercorn would hand it over."""
-    raw = b"" if body is None else json.dumps(body).encode()
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    async def send(message: Any) -> None:
-        sent.append(dict(message))
-
-    scope = {"type": "http", "path": path, "method": method, "query_string": b"",
-             "headers": [(b"authorization", b"Bearer key")]}  # fmt: skip
-    await app(scope, receive, send)
-    return int(sent[0]["status"]), json.loads(sent[1]["body"])
 
 
 # --- the pure view --------------------------------------------------------------------

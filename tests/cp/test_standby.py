@@ -3,7 +3,6 @@ read-only, and a deposed one drops its sessions; all over real RPC on loopback."
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 from helpers import FakeAgent, loopback_pki, register
+from helpers import asgi_call as asgi
 
 from llmgw import core, model
 from llmgw.agent._servant import AgentServant
@@ -171,22 +171,6 @@ class FakeLeadership:
     def view(self) -> LeaderView:
         me = Holder("127.0.0.1:7071", "127.0.0.1:8082")
         return LeaderView(self.role, 7, self.leader, me, 10.0, 1, 0)
-
-
-async def asgi(app: AdminApp, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    raw = b"" if body is None else json.dumps(body).encode()
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    async def send(message: Any) -> None:
-        sent.append(dict(message))
-
-    scope = {"type": "http", "path": path, "method": method, "query_string": b"",
-             "headers": [(b"authorization", b"Bearer key")]}  # fmt: skip
-    await app(scope, receive, send)
-    return int(sent[0]["status"]), json.loads(sent[1]["body"])
 
 
 async def test_the_admin_api_on_a_standby_is_read_only_and_names_the_leader() -> None:
