@@ -22,6 +22,14 @@ from llmgw.testing import fake_nvidia_smi
 from llmgw.testing.cluster import free_port
 
 
+async def n1_inventory() -> model.Inventory:
+    return model.Inventory(host=model.Host("n1"))
+
+
+async def bare_heartbeat(seq: int) -> model.Heartbeat:
+    return model.Heartbeat(seq=seq)
+
+
 class Standby:
     def __init__(self, leader: str) -> None:
         self.leader = leader
@@ -51,12 +59,6 @@ async def test_a_standby_refusal_moves_on_to_the_leader_at_once(tmp_path: Path) 
         standby_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, standby)
         dead = free_port()
 
-        async def inventory() -> model.Inventory:
-            return model.Inventory(host=model.Host("n1"))
-
-        async def heartbeat(seq: int) -> model.Heartbeat:
-            return model.Heartbeat(seq=seq)
-
         # The standby is listed first; the leader is not listed at all, only named
         # in the refusal; a huge backoff proves no backoff happened on the way.
         session = AgentSession(
@@ -64,8 +66,8 @@ async def test_a_standby_refusal_moves_on_to_the_leader_at_once(tmp_path: Path) 
             addresses=[("127.0.0.1", standby_port), ("127.0.0.1", dead)],
             tls=client_tls,
             servant=object(),
-            hello_inventory=inventory,
-            heartbeat=heartbeat,
+            hello_inventory=n1_inventory,
+            heartbeat=bare_heartbeat,
             backoff=Backoff(initial_s=600, max_s=600),
             rng=random.Random(0),
         )
@@ -123,19 +125,13 @@ async def test_a_standby_naming_the_leader_just_lost_is_asked_again_not_followed
         new = TakesOverAfter(f"127.0.0.1:{old_port}", refusals=3)
         new_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, new)
 
-        async def inventory() -> model.Inventory:
-            return model.Inventory(host=model.Host("n1"))
-
-        async def heartbeat(seq: int) -> model.Heartbeat:
-            return model.Heartbeat(seq=seq)
-
         session = AgentSession(
             node_id="n1",
             addresses=[("127.0.0.1", old_port), ("127.0.0.1", new_port)],
             tls=client_tls,
             servant=object(),
-            hello_inventory=inventory,
-            heartbeat=heartbeat,
+            hello_inventory=n1_inventory,
+            heartbeat=bare_heartbeat,
             backoff=Backoff(initial_s=0.05, max_s=0.05),
             rng=random.Random(0),
         )
@@ -322,13 +318,6 @@ async def test_progress_is_pushed_by_source_while_connected_and_dropped_before(
 ) -> None:
     server_tls, client_tls = tls_pair(tmp_path, "n1")
     cp = WithMirror()
-
-    async def inventory() -> model.Inventory:
-        return model.Inventory(host=model.Host("n1"))
-
-    async def heartbeat(seq: int) -> model.Heartbeat:
-        return model.Heartbeat(seq=seq)
-
     async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
         port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, cp)
         session = AgentSession(
@@ -336,8 +325,8 @@ async def test_progress_is_pushed_by_source_while_connected_and_dropped_before(
             addresses=[("127.0.0.1", port)],
             tls=client_tls,
             servant=object(),
-            hello_inventory=inventory,
-            heartbeat=heartbeat,
+            hello_inventory=n1_inventory,
+            heartbeat=bare_heartbeat,
         )
         # Not connected: progress is not state, nothing keeps it for later.
         session.notify_progress(model.Progress("mirror:/early/", 1, 10))
