@@ -4,7 +4,10 @@ Flag spellings from SGLang's server_args.py and docs/advanced_features/
 server_arguments.md: `--model-path`, `--host`, `--port`, `--served-model-name`
 (one name), `--tp-size` (alias of `--tensor-parallel-size`), `--pp-size`
 (alias of `--pipeline-parallel-size`), `--quantization`, `--enable-metrics`
-(off by default: without it there is no /metrics), and across nodes
+(off by default: without it there is no /metrics), `--enable-cache-report`
+(off by default: without it the usage has no
+`prompt_tokens_details.cached_tokens`, and the router's prefix index never
+learns what the engine had cached), and across nodes
 `--nnodes`, `--node-rank`, `--dist-init-addr HOST:PORT`.
 
 SGLang's own docs write `--tp 2`, which works only because argparse accepts
@@ -88,7 +91,7 @@ def plan(profile: EngineProfile, assignment: Assignment, *, program: str = PROGR
         argv += ["--pp-size", str(profile.pp)]
     if profile.quantization is not None:
         argv += ["--quantization", profile.quantization]
-    argv.append("--enable-metrics")
+    argv += ["--enable-metrics", "--enable-cache-report"]
     if profile.nodes > 1:
         argv += [
             "--nnodes", str(profile.nodes),

@@ -3,7 +3,10 @@
 Flag spellings were read from vLLM's source and docs (see the report in the
 commit): `--host`, `--port`, `--served-model-name` (one or more names),
 `--tensor-parallel-size`, `--pipeline-parallel-size`, `--quantization`,
-`--distributed-executor-backend {ray,mp}`, and for vLLM's own multi-node mode
+`--distributed-executor-backend {ray,mp}`, `--enable-prompt-tokens-details`
+(a frontend flag: without it vLLM's usage has no
+`prompt_tokens_details.cached_tokens`, and the router's prefix index never
+learns what the engine had cached), and for vLLM's own multi-node mode
 `--nnodes`, `--node-rank`, `--master-addr`, `--master-port` (ParallelConfig
 fields, vllm/config/parallel.py) with `--headless` on every rank but 0
 (vllm/entrypoints/cli/serve.py). Ray: `ray start --head --port=P --block` on
@@ -36,6 +39,7 @@ from llmgw.engines._common import (
 from llmgw.engines._types import Assignment, EngineProfile, LaunchPlan, MetricNames, ProcessSpec
 
 PROGRAM = "vllm"
+CACHE_REPORT = "--enable-prompt-tokens-details"
 RAY_PROGRAM = "ray"
 METRICS = MetricNames(
     running="vllm:num_requests_running",
@@ -92,7 +96,8 @@ def plan(
         # vLLM reads its own address from VLLM_HOST_IP for the distributed
         # groups; without it it guesses, and may guess another interface.
         env.append(("VLLM_HOST_IP", me))
-    http = ["--host", BIND_HOST, "--port", str(assignment.port)]
+    # Only the rank that serves HTTP: the flags of vLLM's OpenAI frontend.
+    http = ["--host", BIND_HOST, "--port", str(assignment.port), CACHE_REPORT]
     shape = _shape_args(profile)
 
     if profile.nodes == 1:

@@ -458,7 +458,7 @@ def cache_report(data: bytes) -> CacheReport | None:
     """The prompt-cache figures in a body or a stream's last events; None when there are none.
 
     OpenAI's shape (`usage.prompt_tokens_details.cached_tokens`: llama.cpp, vLLM
-    with --enable-prompt-tokens-details, SGLang), Anthropic's
+    with --enable-prompt-tokens-details, SGLang with --enable-cache-report), Anthropic's
     (`cache_read_input_tokens`) and llama.cpp's `timings` (`cache_n`).
     """
     pos = data.find(b'"usage"')

@@ -114,6 +114,8 @@ VLLM_FLAGS: tuple[Flag, ...] = (
     _f("--seed", metavar="SEED", kind="int", help="Random seed for operations."),
     _f("--api-key", metavar="API_KEY",
        help="If provided, the server will require this key to be presented in the header."),
+    _f("--enable-prompt-tokens-details", kind="bool-pair",
+       help="If set to True, enable prompt_tokens_details in usage."),
     _f("--chat-template", metavar="CHAT_TEMPLATE",
        help="The file path to the chat template, or the template in single-line form."),
     _f("--enable-auto-tool-choice", help="Enable auto tool choice for supported models."),
@@ -239,6 +241,9 @@ SGLANG_FLAGS: tuple[Flag, ...] = (
        "modeling files."),
     _f("--is-embedding", help="Whether to use a CausalLM as an embedding model."),
     _f("--enable-metrics", help="Enable log prometheus metrics."),
+    _f("--enable-cache-report",
+       help="Return number of cached tokens in usage.prompt_tokens_details for each openai "
+       "request."),
     _f("--api-key", metavar="API_KEY", help="Set API key of the server."),
     _f("--log-level", metavar="LOG_LEVEL", help="The logging level of all loggers."),
     _f("--attention-backend", metavar="ATTENTION_BACKEND",
@@ -291,6 +296,9 @@ class FakeConfig:
     slots: int
     ctx_per_slot: int
     metrics_enabled: bool
+    # `usage.prompt_tokens_details.cached_tokens`: llama-server always reports it,
+    # vLLM with --enable-prompt-tokens-details, SGLang with --enable-cache-report.
+    reports_cached: bool
     slots_endpoint: bool
     embeddings_enabled: bool
     api_key: str | None
@@ -575,6 +583,7 @@ def parse_command_line(
         slots = opts.get("max_num_seqs") or behaviour.slots or DEFAULT_SLOTS[engine]
         max_len = opts.get("max_model_len") or 4096
         metrics, slots_endpoint, embeddings = True, False, True
+        reports_cached = bool(opts.get("enable_prompt_tokens_details"))
     elif engine == "llama-server":
         model = opts.get("model") or opts.get("hf_repo")
         if not model:
@@ -587,6 +596,7 @@ def parse_command_line(
         metrics = bool(opts.get("metrics"))
         slots_endpoint = opts.get("slots") is not False
         embeddings = bool(opts.get("embeddings"))
+        reports_cached = True
     else:
         model = opts.get("model_path")
         if not model:
@@ -595,6 +605,7 @@ def parse_command_line(
         slots = opts.get("max_running_requests") or behaviour.slots or DEFAULT_SLOTS[engine]
         max_len = opts.get("context_length") or 4096
         metrics, slots_endpoint, embeddings = bool(opts.get("enable_metrics")), False, True
+        reports_cached = bool(opts.get("enable_cache_report"))
     port = opts.get("port")
     return FakeConfig(
         engine=engine,
@@ -605,6 +616,7 @@ def parse_command_line(
         slots=slots,
         ctx_per_slot=max_len,
         metrics_enabled=metrics,
+        reports_cached=reports_cached,
         slots_endpoint=slots_endpoint,
         embeddings_enabled=embeddings,
         api_key=opts.get("api_key"),

@@ -32,7 +32,9 @@ Endpoints, as the imitated engine has them:
   tokens are counted as words (+3 per chat message); a prompt plus max_tokens
   over the context length is refused with 400, as the engines do. With a
   prefix cache (`LLMGW_FAKE_PREFIX_CACHE_TOKENS`), the usage (non-streamed, and
-  the streamed usage chunk) has `prompt_tokens_details.cached_tokens`, and
+  the streamed usage chunk) has `prompt_tokens_details.cached_tokens` where the
+  real engine would report it (llama-server always, vLLM with
+  `--enable-prompt-tokens-details`, SGLang with `--enable-cache-report`), and
   llama-server's last response or chunk has `timings` (`cache_n`, `prompt_n`:
   the uncached part, `prompt_ms`, `prompt_per_token_ms`, `prompt_per_second`,
   `predicted_n`, `predicted_ms`, `predicted_per_token_ms`,
@@ -710,7 +712,8 @@ class FakeEngine:
         slot_held = trio.current_time()
         # Matched once a slot is held: a sibling prefilled while this one waited counts.
         cached = st.prefix.lookup(req.prompt_blocks, req.prompt_tokens) if st.prefix else None
-        writer.cached = cached
+        reported = cached if self.config.reports_cached else None  # the engine's usage says
+        writer.cached = reported
         uncached = req.prompt_tokens - (cached or 0)
         run = st.start(req.prompt_tokens)
         reason: str | None = None
@@ -754,7 +757,7 @@ class FakeEngine:
                 conn.send(h11.Data(data=writer.end())) + conn.send(h11.EndOfMessage())
             )
         else:
-            answer = full_response(self.config.engine, req, rid, created, cached, timings)
+            answer = full_response(self.config.engine, req, rid, created, reported, timings)
             await self._send(conn, stream, Reply(200, answer))
 
 

@@ -28,6 +28,9 @@ Frontend:
   --port PORT           Port number. (default: 8000)
   --served-model-name SERVED_MODEL_NAME [SERVED_MODEL_NAME ...]
                         The model name(s) used in the API.
+  --enable-prompt-tokens-details, --no-enable-prompt-tokens-details
+                        If set to True, enable prompt_tokens_details in usage.
+                        (default: False)
 
 ModelConfig:
   --quantization QUANTIZATION, -q QUANTIZATION

@@ -59,8 +59,9 @@ class Fleet:
             "PATH": f"{bin_dir}:{os.environ['PATH']}",
             "LLMGW_FAKE_GPUS": "8xh100-80g",
             "LLMGW_FAKE_LOAD_DELAY": "0.5",
+            "LLMGW_FAKE_PREFIX_CACHE_TOKENS": "4096",
         }
-        self.cpu_env = {"LLMGW_FAKE_LOAD_DELAY": "0.5"}
+        self.cpu_env = {"LLMGW_FAKE_LOAD_DELAY": "0.5", "LLMGW_FAKE_PREFIX_CACHE_TOKENS": "4096"}
 
     def start(self) -> None:
         self.c.models = CATALOG
@@ -130,6 +131,30 @@ def test_catalog_placement_and_reconciler(cluster: LocalCluster, tmp_path: Path)
     cards = [(s["node"], g) for s in shards.values() for g in s["gpus"]]
     assert len(cards) == len(set(cards)) == 2 * 2 + 2 * 1 + 4
     assert all(s["node"].startswith("gpu") for s in shards.values() if s["gpus"])
+
+    # The engines report what they had cached, as the router's prefix index needs:
+    # vLLM only because its plan passes --enable-prompt-tokens-details (the fake, as
+    # the real one, says nothing without it); llama-server always.
+    key = cluster.api_key("team-a")
+    system = " ".join(f"rule{i} holds" for i in range(60))  # ~120 tokens, 7 blocks
+    for model in ("chat", "tiny-cpu"):
+        seen = []
+        for question in ("one", "two", "three"):
+            r = httpx.post(
+                cluster.router_url + "/chat/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={
+                    "model": model,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": question},
+                    ],
+                },
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            seen.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert seen[0] == 0 and max(seen) >= 112, (model, seen)
 
     # kill -9 an engine: replaced within the startup timeout.
     victim = next(s for s in shards.values() if s["model_name"] == "embed")

@@ -56,10 +56,12 @@ class FakeEngine:
 
 def _command(engine: str, name: str, port: int, extra: Sequence[str]) -> list[str]:
     base = [sys.executable, "-m", "llmgw.testing.fake_engine", "--fake-engine", engine]
+    # The flags llmgw's plans pass too: metrics, and the cached-token report.
     if engine == "vllm":
-        args = ["serve", name, "--served-model-name", name]
+        args = ["serve", name, "--served-model-name", name, "--enable-prompt-tokens-details"]
     elif engine == "sglang":
-        args = ["--model-path", name, "--served-model-name", name, "--enable-metrics"]
+        args = ["--model-path", name, "--served-model-name", name]
+        args += ["--enable-metrics", "--enable-cache-report"]
     else:
         args = ["-m", name, "-a", name, "--metrics", "--embeddings"]
     return [*base, *args, "--host", "127.0.0.1", "--port", str(port), *extra]

@@ -760,7 +760,7 @@ def test_block_chains_agree_exactly_as_far_as_the_prompts_do(
 async def test_vllm_reports_cached_tokens_counts_them_and_evicts_lru() -> None:
     # Room for two 4-block system prompts.
     env = {"LLMGW_FAKE_TOKENS": "2", "LLMGW_FAKE_PREFIX_CACHE_TOKENS": "128"}
-    async with engine("serve", "m", env=env) as e:
+    async with engine("serve", "m", "--enable-prompt-tokens-details", env=env) as e:
 
         async def cached(system: str, user: str) -> int:
             r = await e.post("/v1/chat/completions", chat(system, user))
@@ -792,6 +792,34 @@ async def test_vllm_reports_cached_tokens_counts_them_and_evicts_lru() -> None:
         assert m["vllm:prefix_cache_queries_total"] == 8 * 69
         assert m["vllm:prefix_cache_hits_total"] == 4 * 64
         assert (await e.stats())["prompt_tokens_cached"] == 4 * 64
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (("serve", "m"), "--enable-prompt-tokens-details"),
+        (("--fake-engine", "sglang", "--model-path", "m"), "--enable-cache-report"),
+    ],
+)
+async def test_vllm_and_sglang_report_cached_tokens_only_when_asked(
+    argv: tuple[str, ...], flag: str
+) -> None:
+    """As the real engines: their usage has no prompt_tokens_details without the flag
+    (llmgw's plans pass it), though the prefix cache works the same either way."""
+    env = {"LLMGW_FAKE_TOKENS": "2", "LLMGW_FAKE_PREFIX_CACHE_TOKENS": "128"}
+    for extra, reported in (((), None), ((flag,), 64)):
+        async with engine(*argv, *extra, env=env) as e:
+            usages = []
+            for user in ("first question", "second question"):
+                r = await e.post("/v1/chat/completions", chat(SYSTEM_A, user))
+                assert r.status_code == 200, r.text
+                usages.append(r.json()["usage"])
+            details = [u.get("prompt_tokens_details") for u in usages]
+            if reported is None:
+                assert details == [None, None]
+            else:
+                assert details == [{"cached_tokens": 0}, {"cached_tokens": reported}]
+            assert (await e.stats())["prompt_tokens_cached"] == 64
 
 
 async def test_llama_server_timings_show_prefill_of_the_uncached_part_only() -> None:
