@@ -123,6 +123,8 @@ def test_router_only_process_serves_and_stops_on_sigterm(
         text = wait_for("engine load in metrics", scraped, timeout=10)
         assert sample(text, "llmgw_router_requests_total", model="chat", status="200") == 2.0
         assert sample(text, "llmgw_router_endpoint_kv_cache_usage_ratio", model="chat") == 0.0
+        # As from llmgw-cp: no `_created` series beside the counters (docs/metrics.md).
+        assert "_created" not in text
 
         revoked = subprocess.run(
             [sys.executable, "-m", "llmgw.router", "keys", "--db", str(db), "revoke", key_id],
