@@ -10,6 +10,7 @@ import contextlib
 import functools
 import http.server
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -35,6 +36,12 @@ def alive(pid: int) -> bool:
 
     found = _procfs.stat(pid)
     return found is not None and found[0] not in ("Z", "X")
+
+
+def documented_metrics() -> set[str]:
+    """Every family docs/metrics.md lists in a table's first column."""
+    text = (REPO / "docs" / "metrics.md").read_text()
+    return set(re.findall(r"^\| `(llmgw_[a-z0-9_]+)`", text, flags=re.M))
 
 
 def require(available: bool, reason: str) -> None:

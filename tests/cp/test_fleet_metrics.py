@@ -4,6 +4,7 @@ admin listener's /metrics of a fleet of real agents with recorded nvidia-smi out
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,14 +15,14 @@ import httpx
 import hypothesis.strategies as st
 import pytest
 import trio
-from helpers import register, require
+from helpers import documented_metrics, register, require
 from hypothesis import given
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw import core, model
 from llmgw.cp._catalog import Catalog, CatalogModel, Profile
-from llmgw.cp._fleet_metrics import LABEL_MAX, FleetCollector, FleetInput, fleet_families
+from llmgw.cp._fleet_metrics import DOCS, LABEL_MAX, FleetCollector, FleetInput, fleet_families
 from llmgw.cp._reconciler import Unplaced
 from llmgw.cp._registry import NodeRegistry
 from llmgw.testing import fake_engine, fake_nvidia_smi
@@ -383,4 +384,10 @@ def test_fleet_metrics_of_real_agents(cluster: LocalCluster, tmp_path: Path) -> 
     # The router's families are still there, and nothing has a _created series.
     assert "# TYPE llmgw_router_requests_total counter" in text
     assert "_created" not in text
+    # docs/metrics.md lists every family the control plane exposes, and every family
+    # it lists but the fleet's (which exist only where something was reported) is here.
+    exposed = set(re.findall(r"^# TYPE (llmgw_[a-z0-9_]+) ", text, flags=re.M))
+    known = documented_metrics()
+    assert exposed - known == set(), "undocumented families"
+    assert known - set(DOCS) - exposed == set(), "documented but not exposed"
     promtool_check_metrics(text)

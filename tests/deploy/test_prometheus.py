@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from helpers import REPO, require
+from helpers import REPO, documented_metrics, require
 from ruamel.yaml import YAML
 
 from llmgw.cp._fleet_metrics import DOCS
@@ -34,17 +34,13 @@ def load(name: str) -> Any:
     return YAML(typ="safe").load((DEPLOY / name).read_text())
 
 
-def documented() -> set[str]:
-    """Every family docs/metrics.md lists in a table's first column."""
-    text = (REPO / "docs" / "metrics.md").read_text()
-    return set(re.findall(r"^\| `(llmgw_[a-z0-9_]+)`", text, flags=re.M))
 
 
 def families(expr: str) -> set[str]:
     out = set()
     for name in METRIC.findall(expr):
         for suffix in SUFFIXES:
-            if name.endswith(suffix) and name.removesuffix(suffix) in documented():
+            if name.endswith(suffix) and name.removesuffix(suffix) in documented_metrics():
                 name = name.removesuffix(suffix)
         out.add(name)
     return out
@@ -76,7 +72,7 @@ def test_every_alert_is_tested_firing_and_not_firing() -> None:
 
 
 def test_rules_and_dashboard_name_only_documented_families() -> None:
-    known = documented()
+    known = documented_metrics()
     assert set(DOCS) <= known, f"undocumented fleet families: {sorted(set(DOCS) - known)}"
     for name, expr in alerts().items():
         assert families(expr) <= known, f"alert {name}: {sorted(families(expr) - known)}"
