@@ -249,7 +249,7 @@ def read_epoch(path: Path) -> int:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the newest epoch seen: {exc.strerror}") from None
     value = text.strip()
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise ConfigError(
             f"{path}: holds {value[:40]!r}, not an epoch; remove it only if no deposed "
             "control plane may still send commands"

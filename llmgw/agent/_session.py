@@ -282,6 +282,6 @@ class AgentSession:
 
 def _parse_address(text: str) -> tuple[str, int] | None:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not (port.isascii() and port.isdigit()):  # "²" passes isdigit alone
         return None
     return host.strip("[]"), int(port)

@@ -637,7 +637,7 @@ class Supervisor:
 
         def when(p: Path) -> int:
             stamp = p.name.rpartition("@")[2]
-            return int(stamp) if stamp.isdigit() else 0
+            return int(stamp) if stamp.isascii() and stamp.isdigit() else 0
 
         return sorted(entries, key=when, reverse=True)
 

@@ -260,11 +260,17 @@ class AdminApp:
         return body
 
     def _standby_refusal(self) -> dict[str, Any]:
+        """The error body every other refusal has, and the leader's addresses beside it."""
         view = self.leadership.view() if self.leadership is not None else None
         leader = view.leader if view is not None else None
         if leader is None:
-            return {"error": "standby; no leader yet: try again in a few seconds", "leader": None}
-        return {"error": f"standby; leader is {leader.describe()}", "leader": leader.json()}
+            message = "standby; no leader yet: try again in a few seconds"
+        else:
+            message = f"standby; leader is {leader.describe()}"
+        return {
+            "error": {"message": message, "code": 409},
+            "leader": leader.json() if leader is not None else None,
+        }
 
     def _authorised(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
@@ -328,7 +334,11 @@ class AdminApp:
         try:
             grace = float(query.get("grace", "0"))
         except ValueError:
-            raise HttpError(400, f"grace: not a number of seconds: {query['grace']!r}") from None
+            grace = math.nan
+        if not 0 <= grace <= MAX_GRACE_S:  # NaN too
+            raise HttpError(
+                400, f"grace: expected seconds from 0 to {MAX_GRACE_S:g}, got {query['grace']!r}"
+            )
         await agent.stop_shard(self._registry.epoch, shard, grace)
         self._registry.forget_shard(node, shard)
         log.info("shard %s on %s stopped by an operator", shard, node)
@@ -338,7 +348,7 @@ class AdminApp:
         self, node: str, shard: str, query: dict[str, str], **_: Any
     ) -> tuple[int, Any]:
         _rec, agent = self._connected(node)
-        lines = int(query.get("lines", "40")) if query.get("lines", "40").isdigit() else 40
+        lines = _node_logs.lines_of(query, default=40)
         try:
             tail = await agent.logs(shard, lines)
         except NotFound:
@@ -545,7 +555,10 @@ class AdminApp:
                     "reclaimable": [
                         {"path": r.path, "size_bytes": r.size_bytes} for r in w.reclaimable
                     ],
-                    "reclaimable_bytes": sum(r.size_bytes for r in w.reclaimable),
+                    # Unknown, not 0, until the node has reported its weights directory.
+                    "reclaimable_bytes": (
+                        sum(r.size_bytes for r in w.reclaimable) if w.reported else None
+                    ),
                 }
             )
             await trio.lowlevel.checkpoint()  # a large fleet: let the heartbeats in
@@ -637,7 +650,7 @@ class AdminApp:
 
     async def _events(self, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         raw = query.get("limit", "50")
-        if not raw.isdigit() or not 1 <= int(raw) <= EVENTS_LIMIT:
+        if not _node_logs.whole(raw) or not 1 <= int(raw) <= EVENTS_LIMIT:
             raise HttpError(400, f"limit: expected a whole number from 1 to {EVENTS_LIMIT}, "
                                  f"got {raw!r}")  # fmt: skip
         found = self._registry.events.events(
@@ -746,7 +759,7 @@ class AdminApp:
     async def _audit_list(self, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         store = self._need_store()
         raw = query.get("limit", "100")
-        if not raw.isdigit() or not 1 <= int(raw) <= AUDIT_LIMIT:
+        if not _node_logs.whole(raw) or not 1 <= int(raw) <= AUDIT_LIMIT:
             raise HttpError(400, f"limit: expected a whole number from 1 to {AUDIT_LIMIT}, "
                                  f"got {raw!r}")  # fmt: skip
         return 200, {"entries": [_audit_json(e) for e in await store.recent_audit(int(raw))]}
@@ -986,6 +999,7 @@ class AdminApp:
 
 
 EVENTS_LIMIT = 1000
+MAX_GRACE_S = 3600.0  # as stop_grace_s in agent.yaml and server.yaml
 AUDIT_LIMIT = 1000
 USAGE_DEFAULT_SINCE_S = 7 * 86400
 EPOCH_FROM = 1e9  # a `since` at least this is seconds since the epoch (2001), else seconds ago

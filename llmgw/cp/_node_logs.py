@@ -33,9 +33,16 @@ DEFAULT_LINES = 100
 MAX_LINES = 2000
 
 
-def lines_of(query: dict[str, str]) -> int:
+def whole(raw: str) -> bool:
+    """A query value int() takes as a whole number >= 0: ASCII digits only (str.isdigit
+    is also true of "²", which int() refuses)."""
+    return raw.isascii() and raw.isdigit()
+
+
+def lines_of(query: dict[str, str], default: int = DEFAULT_LINES) -> int:
+    """`lines=N`, bounded to 1..MAX_LINES; the default when absent or not a number."""
     raw = query.get("lines", "")
-    return max(1, min(int(raw), MAX_LINES)) if raw.isdigit() else DEFAULT_LINES
+    return max(1, min(int(raw), MAX_LINES)) if whole(raw) else default
 
 
 def silent(node: str, seconds: float) -> str:

@@ -343,6 +343,9 @@ def _standby_message(response: httpx.Response) -> str | None:
         error = response.json().get("error")
     except Exception:
         return None
+    if isinstance(error, dict):
+        error = error.get("message")
+    # A string: a control plane from before the error body was the same for every refusal.
     return error if isinstance(error, str) and error.startswith("standby;") else None
 
 

@@ -208,6 +208,7 @@ async def test_get_weights_lists_each_node() -> None:
     assert a["reclaimable"] == [{"path": f"{WD}/{OLD_CACHE}", "size_bytes": 70}]
     assert a["reclaimable_bytes"] == 70
     assert (b["reported"], b["held"], b["reclaimable"]) == (False, [], [])
+    assert b["reclaimable_bytes"] is None  # unknown until reported: absent is not zero
 
 
 async def test_collect_asks_each_node_and_one_failure_is_that_nodes() -> None:

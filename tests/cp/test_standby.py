@@ -180,7 +180,10 @@ async def test_the_admin_api_on_a_standby_is_read_only_and_names_the_leader() ->
     status, body = await asgi(app, "POST", "/api/v1/nodes/n1/cordon", {"reason": "x"})
     assert status == 409
     assert body == {
-        "error": "standby; leader is 127.0.0.1:7070 (admin 127.0.0.1:8081)",
+        "error": {
+            "message": "standby; leader is 127.0.0.1:7070 (admin 127.0.0.1:8081)",
+            "code": 409,
+        },
         "leader": {"rpc": "127.0.0.1:7070", "admin": "127.0.0.1:8081"},
     }
     assert registry.cordoned == {}
@@ -197,7 +200,8 @@ async def test_the_admin_api_on_a_standby_is_read_only_and_names_the_leader() ->
     }  # fmt: skip
     app.leadership = FakeLeadership("standby", None)  # type: ignore[assignment]
     status, body = await asgi(app, "POST", "/api/v1/nodes/n1/cordon", {"reason": "x"})
-    assert status == 409 and body["leader"] is None and body["error"].startswith("standby; no")
+    assert status == 409 and body["leader"] is None
+    assert body["error"]["message"].startswith("standby; no leader yet")
     # The leader takes writes.
     app.leadership = FakeLeadership("leader", None)  # type: ignore[assignment]
     registry.lead(8)
@@ -206,15 +210,20 @@ async def test_the_admin_api_on_a_standby_is_read_only_and_names_the_leader() ->
     assert status == 200 and "n1" in registry.cordoned
 
 
+@pytest.mark.parametrize("old_shape", [False, True])
 def test_ctl_prints_the_standbys_answer_and_exits_1(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    old_shape: bool,
 ) -> None:
+    """The answer as the admin API gives it (test above), and as a control plane of the
+    previous release did: the message as a bare string."""
     from llmgw.ctl import _main
 
-    answer = {
-        "error": "standby; leader is 127.0.0.1:7070 (admin 127.0.0.1:8081)",
-        "leader": LEADER.json(),
-    }
+    message = "standby; leader is 127.0.0.1:7070 (admin 127.0.0.1:8081)"
+    error = message if old_shape else {"message": message, "code": 409}
+    answer = {"error": error, "leader": LEADER.json()}
 
     def request(method: str, url: str, **_: Any) -> httpx.Response:
         assert (method, url) == ("POST", "http://cp2:8081/api/v1/nodes/n1/cordon")

@@ -88,8 +88,6 @@ def api_client(app: Asgi, admin_key: str) -> Api:
 def _message(body: Any) -> str:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         return str(body["error"].get("message"))
-    if isinstance(body, dict) and isinstance(body.get("error"), str):  # a standby's 409
-        return str(body["error"])
     return str(body)
 
 
