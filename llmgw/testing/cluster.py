@@ -139,17 +139,21 @@ class ControlPlane:
     def admin_key(self) -> str:
         return (self.state_dir / "admin.key").read_text().strip()
 
-    def leader(self) -> dict[str, Any]:
-        """Its `GET /api/v1/leader`."""
+    def api_get(self, path: str) -> dict[str, Any]:
+        """`GET path` of its admin API with its admin key: the JSON answer."""
         import httpx
 
         response = httpx.get(
-            self.admin_url + "/api/v1/leader",
+            self.admin_url + path,
             headers={"Authorization": f"Bearer {self.admin_key}"},
-            timeout=5,
+            timeout=30,
         )
         response.raise_for_status()
         return dict(response.json())
+
+    def leader(self) -> dict[str, Any]:
+        """Its `GET /api/v1/leader`."""
+        return self.api_get("/api/v1/leader")
 
     def healthy(self) -> bool:
         import httpx
@@ -400,8 +404,11 @@ class LocalCluster:
         return done
 
     def nodes(self) -> dict[str, dict[str, Any]]:
-        data = json.loads(self.ctl("nodes", "--json").stdout)
-        return {n["node_id"]: n for n in data["nodes"]}
+        """The first control plane's nodes: `GET /api/v1/nodes`, which `ctl nodes --json`
+        prints as is. Read over HTTP, not by a ctl process: tests poll this every 0.2 s,
+        and a Python process per poll loaded the two-core machine it was measuring (and
+        took longer than the 1 s between heartbeats a test compares two reads across)."""
+        return {n["node_id"]: n for n in self.first.api_get("/api/v1/nodes")["nodes"]}
 
     def states(self) -> dict[str, str]:
         return {k: v["state"] for k, v in self.nodes().items()}
