@@ -308,13 +308,19 @@ def _node_python() -> str:
     return python
 
 
+def published(dist: Path, tmp_path: Path) -> Path:
+    """A mirror directory under tmp_path with the release published into it."""
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    _release.publish(dist, mirror)
+    return mirror
+
+
 @pytest.mark.slow
 async def test_bootstrap_installs_from_the_tls_mirror_then_changes_nothing(
     dist: Path, tmp_path: Path
 ) -> None:
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    _release.publish(dist, mirror)
+    mirror = published(dist, tmp_path)
     pki = tmp_path / "pki"
     pki.mkdir()
     server_tls, client_tls = loopback_pki(pki, "n41")
@@ -413,9 +419,7 @@ async def test_bootstrap_installs_from_the_tls_mirror_then_changes_nothing(
 async def test_a_tampered_wheel_in_the_mirror_is_refused_and_nothing_installed(
     dist: Path, tmp_path: Path
 ) -> None:
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    _release.publish(dist, mirror)
+    mirror = published(dist, tmp_path)
     victim = sorted((mirror / "llmgw" / "wheelhouse").glob("trio-*.whl"))[0]
     want = hashlib.sha256(victim.read_bytes()).hexdigest()
     with zipfile.ZipFile(victim, "a") as z:

@@ -19,7 +19,7 @@ class LogsAgent:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        self.asked: list[tuple[str, int]] = []
+        self.asked: list[tuple[str, float]] = []
 
     def release(self) -> None:
         pass
@@ -32,7 +32,7 @@ class LogsAgent:
         return []
 
     async def stop_shard(self, epoch: int, shard: str, grace: float) -> None:
-        self.asked.append((f"stop {shard}", grace))  # type: ignore[arg-type]
+        self.asked.append((f"stop {shard}", grace))
 
 
 @pytest.mark.parametrize("hostile", ["²", "١٢", "-1", "1e3", " 5", "99999999999999999999999"])
