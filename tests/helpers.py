@@ -30,6 +30,28 @@ FIXTURES = REPO / "tests" / "data"
 IN_CI = os.environ.get("CI") == "true"
 
 
+def doc_table(doc: str | None) -> dict[tuple[str, str], str]:
+    """A state machine's table as its module docstring draws it: (state, event) -> cell.
+
+    The first Markdown table in `doc`: a header `| event | STATE | ... |`, then a
+    row per event (`| EVENT_NAME | cell | ... |`, read lower-cased as the
+    event's value); a cell `-` is a pair that is not in the table.
+    """
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in (doc or "").splitlines()
+        if line.strip().startswith("|") and not set(line.strip()) <= set("|-: ")
+    ]
+    assert rows and rows[0][0] == "event", f"no `| event | ... |` table in {doc!r}"
+    states = rows[0][1:]
+    table = {}
+    for event, *cells in rows[1:]:
+        assert len(cells) == len(states), f"row {event} has {len(cells)} cells for {states}"
+        pairs = zip(states, cells, strict=True)
+        table.update({(s, event.lower()): c for s, c in pairs if c != "-"})
+    return table
+
+
 def alive(pid: int) -> bool:
     """Running, not a zombie: what a test means by an engine still being there."""
     from llmgw.agent import _procfs
