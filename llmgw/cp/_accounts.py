@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from llmgw.cp._store import Store
-from llmgw.router._keys import ApiKey, digest
+from llmgw.keys import ApiKey, digest
 
 
 class StoreKeys:

@@ -42,8 +42,9 @@ from llmgw.errors import (
     StaleEpoch,
     UsageError,
 )
+from llmgw.keys import ApiKey
 from llmgw.router import HttpError as RouterHttpError
-from llmgw.router._keys import ApiKey, KeyStore
+from llmgw.router import KeyStore
 from llmgw.rpc import AgentHandle
 
 log = logging.getLogger("llmgw.cp.admin")

@@ -24,7 +24,7 @@ import trio
 from llmgw.cp._catalog import Catalog
 from llmgw.cp._registry import NodeRegistry
 from llmgw.errors import LlmgwError
-from llmgw.router._types import Endpoint, EndpointSource
+from llmgw.router import Endpoint, EndpointSource
 
 log = logging.getLogger("llmgw.cp.endpoints")
 

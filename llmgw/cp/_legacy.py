@@ -22,7 +22,7 @@ import trio
 
 from llmgw.cp._store import Account, Store
 from llmgw.errors import ConfigError
-from llmgw.router._keys import ApiKey
+from llmgw.keys import ApiKey
 
 log = logging.getLogger("llmgw.cp.legacy")
 

@@ -33,8 +33,7 @@ import attrs
 import trio
 
 from llmgw.errors import ConfigError, DeadlineExceeded, PeerError, UsageError
-from llmgw.router._keys import ApiKey, TenantLimits, digest, new_key
-from llmgw.router._usage import UsageRow
+from llmgw.keys import ApiKey, TenantLimits, UsageRow, digest, new_key
 
 log = logging.getLogger("llmgw.cp.store")
 

@@ -54,9 +54,16 @@ from llmgw._process import run_service, setup_logging
 from llmgw.cp._accounts import StoreKeys
 from llmgw.cp._admin import read_admin_key
 from llmgw.cp._store import open_store
-from llmgw.router import Router, RouterConfig, listener_limits, serve_http
-from llmgw.router._main import _keep_worker, metrics_app
-from llmgw.router._types import Endpoint, EndpointSource
+from llmgw.router import (
+    Endpoint,
+    EndpointSource,
+    Router,
+    RouterConfig,
+    keep_worker,
+    listener_limits,
+    metrics_app,
+    serve_http,
+)
 
 log = logging.getLogger("llmgw.cp.workers")
 
@@ -242,7 +249,7 @@ async def supervise(
             argv += ["--worker", str(i), "--host", host, "--port", str(port)]
             if log_level:
                 argv += ["--log-level", log_level]
-            nursery.start_soon(_keep_worker, i, argv)
+            nursery.start_soon(keep_worker, i, argv)
         task_status.started()
 
 

@@ -8,8 +8,8 @@ HTTP/1.1 server the router listener should run on (see `_server.py` for why
 not hypercorn); `python -m llmgw.router` is router-only mode.
 """
 
-from llmgw.router._keys import ApiKey, CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
-from llmgw.router._main import listener_limits
+from llmgw.router._keys import CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
+from llmgw.router._main import keep_worker, listener_limits, metrics_app
 from llmgw.router._router import (
     DEFAULT_BANDS,
     EXPLAIN_HEADER,
@@ -26,7 +26,6 @@ __all__ = [
     "DEFAULT_BANDS",
     "EXPLAIN_HEADER",
     "PRIORITY_HEADER",
-    "ApiKey",
     "CachedKeys",
     "Endpoint",
     "EndpointSource",
@@ -38,6 +37,8 @@ __all__ = [
     "SqliteKeyStore",
     "StaticEndpoints",
     "StaticKeys",
+    "keep_worker",
     "listener_limits",
+    "metrics_app",
     "serve_http",
 ]

@@ -1,18 +1,17 @@
 """API keys: who is calling, for which tenant, which models and priority bands.
 
-Secrets are shown once, at creation (`llmgw-` + 32 random bytes, URL-safe);
-stores keep only their SHA-256. The router looks keys up through `CachedKeys`,
-so a request costs a dictionary lookup, not a store round trip; a revocation
-through the same `CachedKeys` takes effect at once in this process, and within
-the cache's TTL in any other.
+The values (`ApiKey`, `TenantLimits`, `digest`, `new_key`) live in `llmgw.keys`,
+shared with the control plane's store; here are the stores keys are kept in.
+Secrets are shown once, at creation; stores keep only their SHA-256. The router
+looks keys up through `CachedKeys`, so a request costs a dictionary lookup, not
+a store round trip; a revocation through the same `CachedKeys` takes effect at
+once in this process, and within the cache's TTL in any other.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import secrets
 import sqlite3
 import threading
 import time
@@ -20,76 +19,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
-import attrs
 import trio
 
 from llmgw.errors import ConfigError, LlmgwError, UsageError
+from llmgw.keys import ApiKey, digest, new_key
 
 log = logging.getLogger("llmgw.router.keys")
-
-SECRET_PREFIX = "llmgw-"
-
-
-@attrs.frozen
-class TenantLimits:
-    """What a tenant (an account in the control plane's store) may use; None: no limit."""
-
-    rpm: int | None = None  # requests per minute
-    tpm: int | None = None  # prompt + completion tokens per minute
-    max_band: str | None = None  # the highest-priority band its keys may ask for
-
-
-@attrs.frozen
-class ApiKey:
-    key_id: str
-    tenant: str
-    models: frozenset[str] | None  # None: every model
-    default_band: str
-    max_band: str  # the highest-priority band this key may ask for
-    created_at: float
-    revoked: bool = False
-    name: str = ""
-    expires_at: float | None = None  # wall clock; None: never
-    # The tenant's limits, read with the key (the store joins its account); None: none known.
-    limits: TenantLimits | None = None
-
-    def may_use(self, model: str) -> bool:
-        return self.models is None or model in self.models
-
-    def usable(self, now: float) -> bool:
-        """Not revoked and not expired at wall-clock `now`."""
-        return not self.revoked and (self.expires_at is None or now < self.expires_at)
-
-
-def digest(secret: str) -> bytes:
-    return hashlib.sha256(secret.encode()).digest()
-
-
-def new_secret() -> str:
-    return SECRET_PREFIX + secrets.token_urlsafe(32)
-
-
-def new_key(
-    *,
-    tenant: str,
-    models: Iterable[str] | None = None,
-    default_band: str = "interactive",
-    max_band: str | None = None,
-    name: str = "",
-) -> tuple[ApiKey, str]:
-    """A new key and its secret (for a store to keep the key and the secret's digest)."""
-    if not tenant:
-        raise UsageError("a key needs a tenant")
-    key = ApiKey(
-        key_id="key-" + secrets.token_hex(6),
-        tenant=tenant,
-        models=None if models is None else frozenset(models),
-        default_band=default_band,
-        max_band=max_band or default_band,
-        created_at=time.time(),
-        name=name,
-    )
-    return key, new_secret()
 
 
 class KeyStore(Protocol):

@@ -448,7 +448,7 @@ async def supervise(
                 argv += ["--worker", str(i), "--port", str(port)]
                 if log_level:
                     argv += ["--log-level", log_level]
-                nursery.start_soon(_keep_worker, i, argv)
+                nursery.start_soon(keep_worker, i, argv)
             log.info(
                 "router: %d workers on http://%s:%d (pid %d supervises)",
                 workers,
@@ -461,7 +461,14 @@ async def supervise(
         holder.close()
 
 
-async def _keep_worker(index: int, argv: list[str]) -> None:
+async def keep_worker(index: int, argv: list[str]) -> None:
+    """Run router worker `index` (`argv`) until cancelled, restarting it whenever it ends.
+
+    Cancelled: SIGTERM, then SIGKILL after `_STOP_GRACE_S` (5 s). A worker that exits 2
+    (its configuration is wrong) raises ConfigError instead of a restart; one that dies
+    within `_QUICK_DEATH_S` (5 s) of starting is restarted after `_RESTART_PAUSE_S` (1 s).
+    The control plane keeps its router workers (llmgw/cp/_workers.py) with it too.
+    """
     while True:
         started = trio.current_time()
         proc = await trio.lowlevel.open_process(argv)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 
 if TYPE_CHECKING:
-    from llmgw.router._keys import TenantLimits
+    from llmgw.keys import TenantLimits
 
 Reason = Literal["rpm", "tpm", "band"]
 

@@ -6,18 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-import attrs
-
-
-@attrs.frozen
-class UsageRow:
-    hour: int  # the hour's start, seconds since the epoch (a multiple of 3600)
-    tenant: str
-    key_id: str
-    model: str
-    requests: int
-    prompt_tokens: int
-    completion_tokens: int
+from llmgw.keys import UsageRow
 
 
 class UsageSink(Protocol):

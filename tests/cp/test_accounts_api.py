@@ -17,8 +17,9 @@ from llmgw import core
 from llmgw.cp._accounts import StoreKeys
 from llmgw.cp._admin import AdminApp
 from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._store import SqlStore, UsageRow, open_store
-from llmgw.router._keys import CachedKeys, TenantLimits, digest
+from llmgw.cp._store import SqlStore, open_store
+from llmgw.keys import TenantLimits, UsageRow, digest
+from llmgw.router._keys import CachedKeys
 
 BANDS = {"interactive": 0, "batch": 1}
 

@@ -22,7 +22,7 @@ from llmgw.cp._store import (
     open_store,
 )
 from llmgw.errors import ConfigError, DeadlineExceeded, LlmgwError, PeerError, UsageError
-from llmgw.router._keys import TenantLimits, digest
+from llmgw.keys import TenantLimits, digest
 
 
 @pytest.fixture(scope="session")

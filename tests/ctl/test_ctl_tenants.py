@@ -11,7 +11,7 @@ import trio
 
 from llmgw.cp._store import open_store
 from llmgw.ctl._main import CtlError, parse_duration, parse_expires
-from llmgw.router._usage import UsageRow
+from llmgw.keys import UsageRow
 from llmgw.testing.cluster import LocalCluster
 
 

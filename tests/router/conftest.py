@@ -19,7 +19,8 @@ import hypercorn.trio
 import pytest
 import trio
 
-from llmgw.router._keys import ApiKey, StaticKeys
+from llmgw.keys import ApiKey
+from llmgw.router._keys import StaticKeys
 from llmgw.router._router import Router, RouterConfig
 from llmgw.router._types import Endpoint, StaticEndpoints
 from llmgw.testing.cluster import free_port, wait_for

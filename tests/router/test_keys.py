@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from llmgw.errors import ConfigError, UsageError
-from llmgw.router._keys import ApiKey, CachedKeys, SqliteKeyStore, StaticKeys
+from llmgw.keys import ApiKey
+from llmgw.router._keys import CachedKeys, SqliteKeyStore, StaticKeys
 from router.conftest import FakeEngine, serve_router
 
 

@@ -11,7 +11,8 @@ import httpx
 import pytest
 import trio
 
-from llmgw.router._keys import ApiKey, StaticKeys, TenantLimits
+from llmgw.keys import ApiKey, TenantLimits
+from llmgw.router._keys import StaticKeys
 from router.conftest import FakeEngine, sample, serve_router
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.router._keys import TenantLimits
+from llmgw.keys import TenantLimits
 from llmgw.router._tenants import Bucket, TenantLimiter, ceiling, retry_seconds
 
 RANKS = {"interactive": 0, "batch": 1, "bulk": 2}

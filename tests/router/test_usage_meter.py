@@ -18,9 +18,10 @@ from helpers import FIXTURES
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmgw.keys import UsageRow
 from llmgw.router._surface import UsageStrip, ask_usage
 from llmgw.router._types import Endpoint
-from llmgw.router._usage import UsageMeter, UsageRow
+from llmgw.router._usage import UsageMeter
 from llmgw.testing.cluster import free_port
 from router.conftest import SECRET_A, SECRET_B, sample, serve_router
 
