@@ -23,7 +23,7 @@ from llmgw.agent._session import AgentSession, Backoff
 from llmgw.agent._sources import ControlPlane, Sources
 from llmgw.agent._supervisor import HealthPolicy, Supervisor
 from llmgw.errors import ConfigError
-from llmgw.rpc import CapnpThread, _tls
+from llmgw.rpc import CapnpThread, check_certificates, client_tls_context
 
 log = logging.getLogger("llmgw.agent")
 
@@ -101,8 +101,8 @@ def make_weights_dir(cfg: config.AgentConfig) -> None:
 
 
 async def serve(cfg: config.AgentConfig) -> None:
-    _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
-    tls = _tls.client_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    check_certificates(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    tls = client_tls_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     make_weights_dir(cfg)
     # Its own last lines, as written to stderr, for `logs` on the source "agent".
     memory = _logs.install()

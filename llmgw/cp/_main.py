@@ -40,7 +40,13 @@ from llmgw.cp._store import SqlStore, open_store, store_location
 from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
 from llmgw.errors import ConfigError
 from llmgw.router import Router, RouterConfig, listener_limits, serve_http
-from llmgw.rpc import CapnpThread, Deadlines, HandshakeLimits, _tls
+from llmgw.rpc import (
+    CapnpThread,
+    Deadlines,
+    HandshakeLimits,
+    check_certificates,
+    server_tls_context,
+)
 
 log = logging.getLogger("llmgw.cp")
 
@@ -164,8 +170,8 @@ async def _serve(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     log.info("store: %s", store.where)
-    _tls.check_files(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
-    tls = _tls.server_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    check_certificates(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    tls = server_tls_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     key_path, created = ensure_admin_key(cfg.state_dir)
     if created:
         log.info("created the first admin key in %s (keep it safe)", key_path)
@@ -364,7 +370,7 @@ async def _start_mirror(
     # The RPC listener's certificate and key, in a context of its own (the RPC one lives
     # in the capnp thread); it asks for a client certificate from the same CA, as the RPC
     # listener does: the agents hold one.
-    ctx = _tls.server_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key) if cfg.mirror.tls else None
+    ctx = server_tls_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key) if cfg.mirror.tls else None
     bound = await nursery.start(
         partial(serve_mirror, root, host, port, ssl_context=ctx, cache=hashes)
     )

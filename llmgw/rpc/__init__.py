@@ -14,6 +14,9 @@ from llmgw.rpc._bridge import (
     SessionServant,
 )
 from llmgw.rpc._gate import HandshakeLimits
+from llmgw.rpc._tls import check_files as check_certificates
+from llmgw.rpc._tls import client_context as client_tls_context
+from llmgw.rpc._tls import server_context as server_tls_context
 
 __all__ = [
     "AGENT_CALLS",
@@ -28,4 +31,7 @@ __all__ = [
     "RegistryServant",
     "SessionHandle",
     "SessionServant",
+    "check_certificates",
+    "client_tls_context",
+    "server_tls_context",
 ]
