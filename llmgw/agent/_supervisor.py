@@ -11,9 +11,11 @@ directory before anything else happens, so a restarted agent adopts every
 live engine it can identify (pid, start time and command line all matching),
 health-checks the adopted ones, and kills an engine it cannot describe.
 
-A shard's state moves only through the table in `_lifecycle`: a ready shard
-stays health-checked, and one whose checks fail `health.failures` times in a
-row is reported unhealthy, with those failures as its reason. The last few
+A shard's state moves only through the table in llmgw.core (`_shard`): a
+ready shard stays health-checked, and one whose checks fail `health.failures`
+times in a row is reported unhealthy, with those failures as its reason; an
+event the table refuses is logged as a bug and leaves the shard where it was
+(`Supervisor._apply` says why it does not raise). The last few
 failed shards' directories (logs included) are kept under
 `<state_dir>/failed/` so that `logs` can still say what happened.
 
@@ -44,8 +46,14 @@ import trio
 
 from llmgw import config, model
 from llmgw.agent import _procfs
-from llmgw.agent._lifecycle import RUNNING, HealthRun, ShardEvent, next_state
 from llmgw.agent._sources import SourceError, Sources
+from llmgw.core import (
+    RUNNING_SHARD_STATES,
+    HealthRun,
+    InvalidShardTransition,
+    ShardEvent,
+    next_shard_state,
+)
 from llmgw.errors import LlmgwError, NotFound, UsageError
 from llmgw.model import ShardState
 
@@ -209,17 +217,20 @@ class Supervisor:
         self._owner = str(state_dir.resolve())
         self._shards: dict[str, Shard] = {}
         self._nursery: trio.Nursery | None = None
+        self._illegal_transitions = 0  # events the table refused (see `_apply`): bugs
 
     def __repr__(self) -> str:
         states = {s.spec.shard_id: s.state.value for s in self._shards.values()}
         return f"<Supervisor {self.state_dir} {states}>"
 
     def statistics(self) -> dict[str, int]:
-        """Shards per state, and how many failed shards' directories are kept."""
+        """Shards per state, how many failed shards' directories are kept, and how
+        many events the state table refused (each one a bug, logged)."""
         counts: dict[str, int] = {}
         for shard in self._shards.values():
             counts[shard.state.value] = counts.get(shard.state.value, 0) + 1
         counts["failed_kept"] = len(self._kept())
+        counts["illegal_transitions"] = self._illegal_transitions
         return counts
 
     # lifecycle ------------------------------------------------------------------------
@@ -254,12 +265,32 @@ class Supervisor:
         return {
             shard_id: {p.pid for p in s.procs}
             for shard_id, s in self._shards.items()
-            if s.state in RUNNING
+            if s.state in RUNNING_SHARD_STATES
         }
 
     def _apply(self, shard: Shard, event: ShardEvent, reason: str | None = None) -> None:
-        """Move `shard` along the table; the reason is kept while nothing says otherwise."""
-        state = next_state(shard.state, event)
+        """Move `shard` along the table; the reason is kept while nothing says otherwise.
+
+        A pair that is not in the table is logged as the bug it is, counted, and
+        the shard stays where it was. Raising would end this shard's task with an
+        error that is not a ShardError, which ends `run` and with it every shard's
+        watchers and health checks on the node: the agent goes, the control plane
+        finds the node unreachable, then lost, and replaces every replica on it,
+        for one shard's bookkeeping. Staying put keeps the engine supervised: a
+        process exit and a stop are in the table from every running state, so
+        the shard still fails or stops as it should.
+        """
+        try:
+            state = next_shard_state(shard.state, event)
+        except InvalidShardTransition as exc:
+            log.error(
+                "shard %s: %s (a bug in the supervisor); it stays %s",
+                shard.spec.shard_id,
+                exc,
+                shard.state.value,
+            )
+            self._illegal_transitions += 1
+            return
         if event is ShardEvent.CHECK_FAILED:
             reason = shard.reason
         elif event is ShardEvent.HEALTH_LOST:
@@ -315,7 +346,7 @@ class Supervisor:
         if not spec.processes or spec.processes[-1].role != "engine":
             raise UsageError(f"shard {spec.shard_id}: the last process must be the engine")
         existing = self._shards.get(spec.shard_id)
-        if existing is not None and existing.state in RUNNING:
+        if existing is not None and existing.state in RUNNING_SHARD_STATES:
             if existing.spec == spec:
                 return existing.report()  # a retried command: already running
             raise UsageError(
@@ -545,7 +576,7 @@ class Supervisor:
 
     async def _fail(self, shard: Shard, reason: str) -> None:
         # Two processes dying together both land here: the first one's reason stands.
-        if shard.stopping or shard.failing or shard.state not in RUNNING:
+        if shard.stopping or shard.failing or shard.state not in RUNNING_SHARD_STATES:
             return
         shard.failing = True
         with trio.CancelScope(shield=True):

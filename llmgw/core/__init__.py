@@ -45,6 +45,10 @@ from llmgw.core._scoring import (
     choose,
     explain,
 )
+from llmgw.core._shard import RUNNING as RUNNING_SHARD_STATES
+from llmgw.core._shard import HealthRun, ShardEvent
+from llmgw.core._shard import InvalidTransition as InvalidShardTransition
+from llmgw.core._shard import next_state as next_shard_state
 from llmgw.core._weights import (
     MARKER,
     PARTIAL_SUFFIX,
@@ -67,10 +71,12 @@ from llmgw.core._weights import (
     plan_reclaim,
     wanted_cache_names,
 )
+from llmgw.model import ShardState
 
 __all__ = [
     "MARKER",
     "PARTIAL_SUFFIX",
+    "RUNNING_SHARD_STATES",
     "Admission",
     "AdmissionConfig",
     "Admit",
@@ -88,7 +94,9 @@ __all__ = [
     "EndpointLoad",
     "Event",
     "GpuFacts",
+    "HealthRun",
     "HeartbeatSeen",
+    "InvalidShardTransition",
     "Liveness",
     "LivenessEvent",
     "LivenessPolicy",
@@ -113,6 +121,8 @@ __all__ = [
     "ReplicaView",
     "RequestEstimate",
     "ScoringConfig",
+    "ShardEvent",
+    "ShardState",
     "Source",
     "SourceKind",
     "Start",
@@ -132,6 +142,7 @@ __all__ = [
     "explain",
     "is_cache_name",
     "may_delete",
+    "next_shard_state",
     "place",
     "plan_reclaim",
     "reconcile",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import calendar
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from conftest import alive
 from llmgw import model
 from llmgw.agent import _procfs
 from llmgw.agent._supervisor import HealthPolicy, Supervisor
+from llmgw.core import ShardEvent
 from llmgw.errors import NotFound
 from llmgw.testing.cluster import free_port
 
@@ -400,4 +402,33 @@ async def test_failed_shard_logs_outlive_its_stop_and_a_gone_one_says_so(tmp_pat
         with pytest.raises(NotFound):
             sup.tail("f1")
         assert sup.tail("f3")[0].text.endswith("exited with code 3")
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_event_the_table_refuses_is_logged_and_the_engine_stays_supervised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in classifying (here: a second launch of a ready shard) must not end
+    supervision of the node's shards: the pair is logged and counted, the shard stays
+    ready, and a later exit of its engine is still seen and reported."""
+    seen: list[model.ShardReport] = []
+    sup = Supervisor(tmp_path, on_change=seen.append, grace_s=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        await sup.start(spec("s1", proc("engine", SLEEPER)))
+        ready = await wait_state(sup, "s1", "ready")
+        reports = len(seen)
+        with caplog.at_level(logging.ERROR, logger="llmgw.agent.supervisor"):
+            sup._apply(sup._shards["s1"], ShardEvent.LAUNCHED)
+        assert [r.getMessage() for r in caplog.records] == [
+            "shard s1: event 'launched' is not valid in shard state 'ready' "
+            "(a bug in the supervisor); it stays ready"
+        ]
+        assert len(seen) == reports  # nothing changed, so nothing was reported
+        assert sup.statistics() == {"ready": 1, "failed_kept": 0, "illegal_transitions": 1}
+        os.kill(ready.pids[0], signal.SIGKILL)
+        failed = await wait_state(sup, "s1", "failed")
+        assert failed.reason is not None
+        assert failed.reason.startswith(f"engine (pid {ready.pids[0]}) was killed by SIGKILL")
+        await sup.stop("s1")
         nursery.cancel_scope.cancel()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from helpers import doc_table
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.agent._lifecycle import (
+from llmgw import core
+from llmgw.core import _shard
+from llmgw.core._shard import (
     RUNNING,
     TRANSITIONS,
     HealthRun,
@@ -54,6 +57,21 @@ EXPECTED = {
 
 def test_module_table_is_the_designed_table() -> None:
     assert {(s, e.value): v for (s, e), v in TRANSITIONS.items()} == EXPECTED
+
+
+def test_the_docstring_draws_the_module_table() -> None:
+    drawn = doc_table(_shard.__doc__)
+    assert drawn == {(s.value, e.value): v.value for (s, e), v in TRANSITIONS.items()}
+    header = next(line for line in (_shard.__doc__ or "").splitlines() if "| event" in line)
+    assert [c.strip() for c in header.strip("| ").split("|")][1:] == [s.value for s in ShardState]
+
+
+def test_the_public_names_are_the_modules() -> None:
+    assert core.ShardState is ShardState
+    assert (core.ShardEvent, core.HealthRun) == (ShardEvent, HealthRun)
+    assert core.RUNNING_SHARD_STATES is RUNNING
+    assert core.next_shard_state is next_state
+    assert core.InvalidShardTransition is InvalidTransition
 
 
 def test_wire_values_are_the_strings_reports_always_carried() -> None:

@@ -28,6 +28,14 @@ missing from the table is a bug in the supervisor and raises.
   the control plane clearing it away.
 
 A failed or stopped shard has no way back: a restart is a new start.
+
+A shard enters the table at starting, when it is started; a shard adopted by
+a restarted agent enters at loading (every process alive: not ready until a
+check passes) or at failed (it had failed before, or part of it is gone).
+
+The agent's supervisor (llmgw/agent/_supervisor.py) is the only one that moves
+shards; the control plane reads the states from reports (`ShardReport.state`
+carries the `ShardState` values) and never moves them.
 """
 
 from __future__ import annotations
