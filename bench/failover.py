@@ -57,7 +57,7 @@ from typing import IO, Any
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 
-# llmgw-agent's bounds (llmgw/agent/_session.py, llmgw/rpc/_bridge.py, llmgw/config.py).
+# llmgw-agent's bounds (llmgw/agent/_session.py, llmgw/rpc/_thread.py, llmgw/config.py).
 DIAL_S = 10.0
 REGISTER_S = 30.0
 BACKOFF_INITIAL_S, BACKOFF_MAX_S = 0.5, 5.0
@@ -76,7 +76,9 @@ def worker_main(spec_path: Path) -> int:
 
     from llmgw import model
     from llmgw.rpc import _codec, _tls
-    from llmgw.rpc._bridge import _decode_error, _encode_error, schema
+    from llmgw.rpc._schema import schema
+    from llmgw.rpc._wire import decode_error as _decode_error
+    from llmgw.rpc._wire import encode_error as _encode_error
 
     spec = json.loads(spec_path.read_text())
     pki = Path(spec["pki"])

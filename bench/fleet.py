@@ -104,7 +104,7 @@ def worker_main(spec_path: Path) -> int:
     from llmgw import model
     from llmgw.ctl import _cert
     from llmgw.rpc import _codec, _tls
-    from llmgw.rpc._bridge import schema
+    from llmgw.rpc._schema import schema
 
     spec = json.loads(spec_path.read_text())
     raise_nofile()

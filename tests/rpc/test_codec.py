@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from llmgw import model
 from llmgw.rpc import CapnpThread, _codec
-from llmgw.rpc._bridge import schema
+from llmgw.rpc._schema import schema
 
 
 def values(cls: type) -> st.SearchStrategy:

@@ -35,7 +35,7 @@ from llmgw.errors import (
     RemoteError,
     StaleEpoch,
 )
-from llmgw.rpc import AgentHandle, CapnpThread, Deadlines, PeerInfo, _bridge, _tls
+from llmgw.rpc import AgentHandle, CapnpThread, Deadlines, PeerInfo, _tls, _wire
 
 HOST = model.Inventory(host=model.Host(hostname="h"))
 SPEC = model.ShardSpec(
@@ -137,8 +137,8 @@ def test_envelope_round_trip_of_any_text(code: str, message: str, leader: str) -
         if kind is RegistrationRefused
         else kind(message)
     )
-    text = "remote exception: " + _bridge._encode_error(exc) + " (capnp/rpc.c++:123)"
-    back = _bridge._map_kj(Exception(text), "call")
+    text = "remote exception: " + _wire.encode_error(exc) + " (capnp/rpc.c++:123)"
+    back = _wire.map_remote_error(Exception(text), "call")
     assert type(back) is kind
     if kind is ParseError:
         assert (back.source, back.problem) == (message, leader)
@@ -149,12 +149,12 @@ def test_envelope_round_trip_of_any_text(code: str, message: str, leader: str) -
 
 
 def test_unknown_code_and_foreign_text_are_remote_errors() -> None:
-    text = _bridge._WIRE_MARK + json.dumps({"code": "nope", "message": "m", "extra": {}})
-    back = _bridge._map_kj(Exception(text), "logs")
+    text = _wire.WIRE_MARK + json.dumps({"code": "nope", "message": "m", "extra": {}})
+    back = _wire.map_remote_error(Exception(text), "logs")
     assert type(back) is RemoteError
     assert str(back) == "logs: m"
     # No envelope (an old peer, capnp itself): the text as it is, never parsed for kinds.
-    back = _bridge._map_kj(Exception("refused: not implemented; standby; leader is x:1"), "logs")
+    back = _wire.map_remote_error(Exception("refused: not implemented; standby; leader is x:1"), "logs")
     assert type(back) is RemoteError
     assert str(back) == "logs: refused: not implemented; standby; leader is x:1"
 

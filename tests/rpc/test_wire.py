@@ -1,0 +1,117 @@
+"""The call table, the schema, the servers and the servants hold to each other;
+the RPC package keeps its shape (one idea a file, small classes)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent._servant import AgentServant as RealAgentServant
+from llmgw.rpc import _agent, _registry, _wire
+from llmgw.rpc._schema import SCHEMA_PATH, schema
+
+RPC = Path(_wire.__file__).parent
+REPO = RPC.parents[1]
+
+
+def _methods(interface: object) -> list[str]:
+    # The node's list is in ordinal order (@0, @1, ...): capnp refuses a hole.
+    return [m.name for m in interface.schema.node.interface.methods]  # type: ignore[attr-defined]
+
+
+def test_the_packaged_schema_is_the_schema() -> None:
+    assert SCHEMA_PATH.read_bytes() == (REPO / "schema" / "llmgw.capnp").read_bytes()
+
+
+def test_the_call_table_is_the_schemas_agent_interface() -> None:
+    by_ordinal = {c.ordinal: c.wire for c in _wire.AGENT_CALL_TABLE}
+    assert _methods(schema.Agent) == [by_ordinal[i] for i in range(len(by_ordinal))]
+
+
+@pytest.mark.parametrize(
+    ("interface", "server"),
+    [
+        (schema.Agent, _agent.AgentImpl),
+        (schema.LogSink, _agent._LogSinkImpl),
+        (schema.Registry, _registry.RegistryImpl),
+        (schema.NodeSession, _registry._SessionImpl),
+    ],
+)
+def test_every_schema_method_is_served(interface: object, server: type) -> None:
+    # A method without `NAME_context` answers with pycapnp's AttributeError traceback.
+    assert [m for m in _methods(interface) if not hasattr(server, f"{m}_context")] == []
+
+
+def test_every_agent_call_has_its_handle_its_server_and_its_servant() -> None:
+    handle = inspect.getsource(_agent.AgentHandle)
+    server = inspect.getsource(_agent.AgentImpl)
+    for call in _wire.AGENT_CALL_TABLE:
+        if call.wire == "drain":  # declared; no handle calls it, no servant has it
+            continue
+        assert f'self._call("{call.wire}"' in handle, call
+        assert f'self._call("{call.wire}"' in server, call
+        assert inspect.iscoroutinefunction(getattr(RealAgentServant, call.servant)), call
+
+
+def test_the_default_deadlines_come_from_the_table() -> None:
+    d = _wire.Deadlines(default_s=7)
+    assert {c.wire: d.of(c.wire) for c in _wire.AGENT_CALL_TABLE} == {
+        "startShard": 7,
+        "stopShard": 7,
+        "drain": 7,
+        "logs": 7,
+        "reclaim": 120,
+        "inventory": 30,
+        "engineCheck": 90,
+        "declareEngines": 7,
+        "logSources": 7,
+    }
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_wire_module_is_pure() -> None:
+    assert _imports(RPC / "_wire.py") <= {
+        "__future__",
+        "json",
+        "collections.abc",
+        "attrs",
+        "llmgw",
+        "llmgw.errors",
+    }
+    assert _imports(REPO / "llmgw" / "errors.py") <= {"__future__", "collections.abc", "typing"}
+
+
+def test_one_idea_a_file_and_no_class_over_400_lines() -> None:
+    long_files, long_classes = {}, {}
+    for path in RPC.glob("*.py"):
+        text = path.read_text()
+        if len(text.splitlines()) >= 600:
+            long_files[path.name] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 400:
+                    long_classes[f"{path.name}:{node.name}"] = lines
+    assert (long_files, long_classes) == ({}, {})
+
+
+def test_capnp_is_imported_only_where_capnp_objects_live() -> None:
+    # The wire table, the codec (handed builders and readers), the gate and TLS need none.
+    users = sorted(
+        p.name
+        for p in RPC.glob("*.py")
+        if any(n == "capnp" or n.startswith("capnp.") for n in _imports(p))
+    )
+    assert users == ["_agent.py", "_net.py", "_schema.py", "_thread.py"]
