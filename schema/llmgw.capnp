@@ -289,7 +289,11 @@ interface Agent {
   # newest it has seen.
   startShard @0 (epoch :Int64, spec :ShardSpec) -> (shard :ShardReport);
   stopShard @1 (epoch :Int64, shardId :Text, graceS :Float64) -> ();
-  drain @2 (epoch :Int64, shardId :Text) -> ();
+  # Retired, never served: a drain is the control plane's (a replacement first,
+  # then stopShard with a grace; llmgw/core/_drain.py). Ordinals must stay
+  # sequential, so this placeholder keeps @2; never reuse it. An agent refuses
+  # it as not implemented.
+  obsoleteDrain @2 (epoch :Int64, shardId :Text) -> ();
   # shardId names a log source: "agent" (the agent's own log), a shard id (all of
   # its processes), or "SHARD/PROCESS/stdout|stderr" (one of logSources). With
   # follow, the agent answers the tail at once (following: true), then pushes

@@ -225,9 +225,6 @@ class AgentImpl(schema.Agent.Server):  # type: ignore[misc]
         params = context.params
         await self._call("stopShard", params.epoch, params.shardId, params.graceS)
 
-    async def drain_context(self, context: Any) -> None:
-        await self._call("drain")
-
     async def logs_context(self, context: Any) -> None:
         params = context.params
         if params.follow:
@@ -262,6 +259,18 @@ class AgentImpl(schema.Agent.Server):  # type: ignore[misc]
         argv = tuple(context.params.argv)
         check = await self._call("engineCheck", context.params.engine, argv)
         _codec.encode(check, context.results.init("check"))
+
+    async def obsoleteDrain_context(self, context: Any) -> None:
+        # Retired (llmgw/rpc/_wire.py). Without a method here pycapnp would answer with
+        # an AttributeError's traceback as the message: say it in our words instead.
+        raise capnp.KjException(
+            encode_error(
+                NotImplementedRemotely(
+                    "drain is retired: the control plane drains a node itself "
+                    "(a replacement first, then stopShard with a grace)"
+                )
+            )
+        )
 
 
 # --- LogSink: the agent's handle ---------------------------------------------------------

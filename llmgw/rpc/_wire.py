@@ -8,8 +8,8 @@ Adding a control plane -> agent call
 1. The schema: a method at the next ordinal of `interface Agent` in
    schema/llmgw.capnp, and the same line in its packaged copy
    llmgw/rpc/llmgw.capnp (tests/rpc/test_wire.py holds the two equal).
-   Ordinals are never reused and stay sequential: capnp aborts the
-   process on a hole.
+   Ordinals are never reused (ordinal 2 is a retired placeholder) and
+   stay sequential: capnp aborts the process on a hole.
 2. The call table, here: an `AgentCall` row in `AGENT_CALL_TABLE` (schema
    name, the servant's method name, its default deadline if 10 s is wrong).
    tests/rpc/test_wire.py holds the table equal to the schema's methods.
@@ -51,13 +51,15 @@ class AgentCall:
     deadline_s: float | None = None  # the default deadline; None: `Deadlines.default_s`
 
 
-# In schema order.
+# In schema order. Ordinal 2 was `drain`, declared and never served: a drain is the
+# control plane's (a replacement first, then stopShard with a grace; llmgw/core/_drain.py).
+# Ordinals must stay sequential, so the schema keeps it as `obsoleteDrain`, which an
+# agent refuses; never reuse it.
 AGENT_CALL_TABLE: tuple[AgentCall, ...] = (
     # Answers once the spec is on disk and the first process is scheduled.
     AgentCall("startShard", 0, "start_shard"),
     # The handle adds the grace: the agent waits that long for the engine to exit.
     AgentCall("stopShard", 1, "stop_shard"),
-    AgentCall("drain", 2, "drain"),
     AgentCall("logs", 3, "logs"),
     # Describes the weights directory (up to 200,000 entries) and deletes whole entries.
     AgentCall("reclaim", 4, "reclaim", 120.0),
@@ -68,6 +70,9 @@ AGENT_CALL_TABLE: tuple[AgentCall, ...] = (
     AgentCall("declareEngines", 7, "declare_engines"),
     AgentCall("logSources", 8, "log_sources"),
 )
+# Placeholders in the schema, by name: ordinal. Each is refused as `NotImplementedRemotely`.
+RETIRED_AGENT_CALLS: Mapping[str, int] = {"obsoleteDrain": 2}
+
 AGENT_CALL_BY_WIRE: Mapping[str, AgentCall] = {c.wire: c for c in AGENT_CALL_TABLE}
 # The control plane's calls on an agent, by their schema names.
 AGENT_CALLS = frozenset(AGENT_CALL_BY_WIRE)

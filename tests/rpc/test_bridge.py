@@ -128,8 +128,8 @@ async def test_register_heartbeat_and_call_back(pki: Path) -> None:
             assert registry.session.beats == [model.Heartbeat(seq=3, usage=model.Usage(load1=1.5))]
             # The control plane calls back into the agent over the same connection.
             assert await registry.agents[0].inventory() == FULL
-            with pytest.raises(NotImplementedRemotely, match=r"drain"):
-                await registry.agents[0].call_unimplemented("drain")
+            with pytest.raises(NotImplementedRemotely, match=r"^logSources: log_sources is not"):
+                await registry.agents[0].call_unimplemented("logSources")
             # Progress is keyed by source; reclaim carries what was removed and refused.
             progress = model.Progress(source="mirror:/tiny/", done_bytes=5, total_bytes=None)
             await session.progress(progress)

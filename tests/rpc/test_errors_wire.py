@@ -195,8 +195,15 @@ async def test_every_code_round_trips_through_a_real_connection(pki: Path) -> No
                 await agent.inventory()
             # A method the servant lacks.
             with pytest.raises(NotImplementedRemotely) as missing:
-                await agent.call_unimplemented("drain")
-            assert str(missing.value) == "drain: drain is not supported by this agent yet"
+                await agent.call_unimplemented("logSources")
+            assert str(missing.value) == "logSources: log_sources is not supported by this agent yet"
+            # The retired ordinal (it was `drain`): refused in words, not with a traceback.
+            with pytest.raises(NotImplementedRemotely) as retired:
+                await agent.call_unimplemented("obsoleteDrain")
+            assert str(retired.value) == (
+                "obsoleteDrain: drain is retired: the control plane drains a node itself "
+                "(a replacement first, then stopShard with a grace)"
+            )
             # And still answering after all that.
             servant.error = None
             assert await agent.inventory() == HOST
@@ -247,7 +254,7 @@ def test_deadlines_per_call_and_their_bounds() -> None:
     assert d.of("stopShard", extra_s=30.0) == 40.0
     assert Deadlines(default_s=3, per_call={"startShard": 20}).of("logs") == 3
     assert Deadlines(default_s=3, per_call={"startShard": 20}).of("startShard") == 20
-    with pytest.raises(ValueError, match=r"no agent call named startshard; known: declareEngines, drain, "):
+    with pytest.raises(ValueError, match=r"no agent call named startshard; known: declareEngines, engineCheck, "):
         Deadlines(per_call={"startshard": 1})
     with pytest.raises(ValueError, match=r"deadline of logs: 0 s; use more than 0"):
         Deadlines(per_call={"logs": 0})

@@ -28,7 +28,26 @@ def test_the_packaged_schema_is_the_schema() -> None:
 
 def test_the_call_table_is_the_schemas_agent_interface() -> None:
     by_ordinal = {c.ordinal: c.wire for c in _wire.AGENT_CALL_TABLE}
+    by_ordinal.update({o: name for name, o in _wire.RETIRED_AGENT_CALLS.items()})
     assert _methods(schema.Agent) == [by_ordinal[i] for i in range(len(by_ordinal))]
+    assert [c.ordinal for c in _wire.AGENT_CALL_TABLE] == sorted(
+        c.ordinal for c in _wire.AGENT_CALL_TABLE
+    )
+    known = {"startShard", "stopShard", "logs", "reclaim", "inventory", "engineCheck"}
+    assert set(_wire.AGENT_CALLS) == known | {"declareEngines", "logSources"}
+
+
+def test_drain_is_retired_and_nothing_calls_it() -> None:
+    assert "drain" not in _wire.AGENT_CALLS
+    assert _wire.RETIRED_AGENT_CALLS == {"obsoleteDrain": 2}
+    with pytest.raises(ValueError, match=r"no agent call named drain"):
+        _wire.Deadlines(per_call={"drain": 5})
+    callers = [
+        str(p.relative_to(REPO))
+        for p in (REPO / "llmgw").rglob("*.py")
+        if "obsoleteDrain" in p.read_text() and p.parent != RPC
+    ]
+    assert callers == []
 
 
 @pytest.mark.parametrize(
@@ -49,8 +68,6 @@ def test_every_agent_call_has_its_handle_its_server_and_its_servant() -> None:
     handle = inspect.getsource(_agent.AgentHandle)
     server = inspect.getsource(_agent.AgentImpl)
     for call in _wire.AGENT_CALL_TABLE:
-        if call.wire == "drain":  # declared; no handle calls it, no servant has it
-            continue
         assert f'self._call("{call.wire}"' in handle, call
         assert f'self._call("{call.wire}"' in server, call
         assert inspect.iscoroutinefunction(getattr(RealAgentServant, call.servant)), call
@@ -61,7 +78,6 @@ def test_the_default_deadlines_come_from_the_table() -> None:
     assert {c.wire: d.of(c.wire) for c in _wire.AGENT_CALL_TABLE} == {
         "startShard": 7,
         "stopShard": 7,
-        "drain": 7,
         "logs": 7,
         "reclaim": 120,
         "inventory": 30,
