@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from helpers import NullSession
@@ -28,6 +29,7 @@ from llmgw.agent._servant import AgentServant as RealAgentServant
 from llmgw.ctl import _cert
 from llmgw.errors import (
     DeadlineExceeded,
+    Disconnected,
     LlmgwError,
     NotImplementedRemotely,
     ParseError,
@@ -208,6 +210,84 @@ async def test_every_code_round_trips_through_a_real_connection(pki: Path) -> No
             servant.error = None
             assert await agent.inventory() == HOST
         nursery.cancel_scope.cancel()
+
+
+def capnp_reachable(root: object) -> list[str]:
+    """capnp types reachable from what trio received: through attrs fields, containers,
+    handles, an exception's args, context, cause and its traceback frames' locals. Not
+    through the bridge, which holds the capnp side by design (touched on its thread)."""
+    from llmgw.rpc._thread import Bridge, Handle
+
+    found: list[str] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, Bridge):
+            continue
+        seen.add(id(obj))
+        if (type(obj).__module__ or "").startswith("capnp"):
+            found.append(type(obj).__qualname__)
+        elif attrs.has(type(obj)):
+            stack.extend(getattr(obj, f.name) for f in attrs.fields(type(obj)))
+        elif isinstance(obj, (tuple, list, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend([*obj.keys(), *obj.values()])
+        elif isinstance(obj, Handle):
+            stack.extend(vars(obj).values())
+        elif isinstance(obj, BaseException):
+            stack.extend([*obj.args, *vars(obj).values(), obj.__context__, obj.__cause__])
+            tb = obj.__traceback__
+            while tb is not None:
+                stack.extend(tb.tb_frame.f_locals.values())
+                tb = tb.tb_next
+    return found
+
+
+async def test_no_capnp_object_reaches_trio_in_a_value_or_an_error(pki: Path) -> None:
+    registry = Registry()
+    servant = Raising()
+    deadlines = Deadlines(default_s=0.3)
+    got: list[object] = []
+    async with CapnpThread.open(deadlines=deadlines) as bridge, trio.open_nursery() as nursery:
+        port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls(pki), registry)
+        async with bridge.connect("127.0.0.1", port, client_tls(pki), agent=servant) as conn:
+            session, settings = await conn.register(
+                model.Hello(node_id="n1", agent_version="t", inventory=HOST)
+            )
+            got += [session, settings, conn, registry.agents[0]]
+            agent = registry.agents[0]
+            got.append(await agent.inventory())
+            for sent in [*one_of_each(), KeyError("gpu0")]:
+                servant.error = sent
+                with pytest.raises(LlmgwError) as info:
+                    await agent.inventory()
+                got.append(info.value)
+            with pytest.raises(NotImplementedRemotely) as missing:
+                await agent.call_unimplemented("logSources")
+            got.append(missing.value)
+            with pytest.raises(DeadlineExceeded) as late:
+                await agent.start_shard(1, SPEC)
+            got.append(late.value)
+        # The connection is gone: the capability broke, and says so in our words.
+        with pytest.raises(Disconnected) as gone:
+            await agent.inventory()
+        got.append(gone.value)
+        nursery.cancel_scope.cancel()
+    assert len(got) == 5 + len(one_of_each()) + 1 + 3
+    assert [capnp_reachable(g) for g in got] == [[] for _ in got]
+
+
+def test_the_capnp_walk_sees_a_capnp_object() -> None:
+    # Else the test above proves nothing.
+    from llmgw.rpc._schema import schema
+
+    message = schema.Heartbeat.new_message()
+    error = RemoteError("x")
+    error.__context__ = Exception(message)
+    assert capnp_reachable(model.Settings(heartbeat_interval_s=1, epoch=1)) == []
+    assert capnp_reachable([error]) == ["_DynamicStructBuilder"]
 
 
 async def test_a_standby_refusal_carries_the_leader_as_a_field(pki: Path) -> None:
