@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from llmgw.agent import discovery as d
 from llmgw.errors import ParseError
+from llmgw.host.os_release import parse_os_release
 from llmgw.router._http1 import END, Failure, Head, RequestParser
 
 # The recorded samples live in the repository (tests/data/INDEX.md names their sources).
@@ -156,7 +157,7 @@ TARGETS: dict[str, Target] = {
         Target("ibstatus", d.parse_ibstatus, _fixtures("ib-ibstatus-*")),
         Target("cpuinfo", d.parse_cpuinfo, _fixtures("cpu-proc-cpuinfo-*")),
         Target("lscpu", d.parse_lscpu, _fixtures("cpu-lscpu-*")),
-        Target("os_release", d.parse_os_release, _fixtures("osrelease-*")),
+        Target("os_release", parse_os_release, _fixtures("osrelease-*")),
         Target(
             "meminfo",
             d.parse_meminfo,

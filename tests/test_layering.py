@@ -90,6 +90,12 @@ def test_engines_bring_no_io_module_with_them() -> None:
     assert _loaded_with("llmgw.engines") == []
 
 
+def test_the_os_release_parser_brings_no_io_module_with_it() -> None:
+    # Why llmgw/host/__init__.py imports nothing: the agent's discovery parses
+    # os-release with it and brings in no trio (llmgw.host.packages and .run do).
+    assert _loaded_with("llmgw.host.os_release") == []
+
+
 def _declared(extra: str | None = None) -> set[str]:
     import re
     import tomllib

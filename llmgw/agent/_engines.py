@@ -47,10 +47,11 @@ import attrs
 import trio
 
 from llmgw import model
-from llmgw.agent import _extract, _ldd, _packages
+from llmgw.agent import _extract, _ldd
 from llmgw.agent._fetch import Fetcher, FetchError
 from llmgw.agent._sources import MIRROR_PREFIX, ControlPlane, SourceError, mirror_url
 from llmgw.core import cache_name
+from llmgw.host.packages import PackageError, PackageInstaller
 
 log = logging.getLogger("llmgw.agent.engines")
 
@@ -78,7 +79,7 @@ class Placement:
 
     arch: str | None  # platform.machine(): x86_64, aarch64
     nvidia: bool  # an NVIDIA driver is loaded
-    family: str | None  # the package family (_packages.family): debian, rhel, suse
+    family: str | None  # the package family (llmgw.host.packages.family): debian, rhel, suse
 
 
 def variant(where: Placement) -> str:
@@ -205,7 +206,7 @@ class Installer:
         self._on_change = on_change
         self._python = python or getattr(sys, "_base_executable", None) or "python3"
         # family -> a PackageInstaller; a parameter so a test can hand in its own.
-        self._packages = packages or (lambda fam: _packages.PackageInstaller(fam))
+        self._packages = packages or (lambda fam: PackageInstaller(fam))
         self.recheck_s = recheck_s
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
@@ -442,7 +443,7 @@ class Installer:
 
             try:
                 await self._packages(fam).install(unique, on_wait=on_wait)
-            except _packages.PackageError as exc:
+            except PackageError as exc:
                 raise InstallError(str(exc)) from None
             self._status(decl.name, "installing", "checking libraries", decl.version)
             problems = await _ldd.check(binary, family=fam, timeout_s=LDD_TIMEOUT_S)

@@ -4,7 +4,7 @@
   each library said once however many lines (or ldd blocks) repeat it:
   "libgomp.so.1 => not found" is `needs libgomp.so.1 (install libgomp1)` on a
   Debian-family node (the package named for `family`, see
-  `llmgw.agent._packages.family`; all families' names when it is None), and
+  `llmgw.host.packages.family`; all families' names when it is None), and
   "version `GLIBCXX_3.4.30' not found (required by …)" is
   `libstdc++.so.6 is too old (needs GLIBCXX_3.4.30)` (the highest version
   asked of the first symbol set named for that library). `packages` is what
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import attrs
 
-from llmgw.agent._run import run_bounded
 from llmgw.errors import LlmgwError
+from llmgw.host.run import run_bounded
 
 log = logging.getLogger("llmgw.agent.ldd")
 

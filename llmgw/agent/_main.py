@@ -14,7 +14,7 @@ import trio
 
 from llmgw import config, model
 from llmgw._process import run_service, setup_logging
-from llmgw.agent import _install, _logs, _packages
+from llmgw.agent import _install, _logs
 from llmgw.agent._engines import Installer, PipTls, Placement
 from llmgw.agent._fetch import Fetcher
 from llmgw.agent._node import Node
@@ -23,6 +23,7 @@ from llmgw.agent._session import AgentSession, Backoff
 from llmgw.agent._sources import ControlPlane, Sources
 from llmgw.agent._supervisor import HealthPolicy, Supervisor
 from llmgw.errors import ConfigError
+from llmgw.host import packages
 from llmgw.rpc import CapnpThread, check_certificates, client_tls_context
 
 log = logging.getLogger("llmgw.agent")
@@ -221,7 +222,7 @@ def placement(hardware: model.Inventory | None) -> Placement:
     nvidia = bool(host is not None and host.driver_version) or bool(
         hardware is not None and hardware.gpus
     )
-    family = _packages.family(host.os_id, host.os_like) if host is not None else None
+    family = packages.family(host.os_id, host.os_like) if host is not None else None
     return Placement(arch=arch, nvidia=nvidia, family=family)
 
 

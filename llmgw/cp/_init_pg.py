@@ -2,7 +2,7 @@
 
 1. A PostgreSQL server on this machine (its programs under /usr/lib/postgresql/*/bin,
    /usr/pgsql-*/bin or on PATH)? None: install it with the machine's package manager
-   (llmgw/agent/_packages.py: apt-get, dnf/yum, zypper by os-release), then on the RHEL
+   (llmgw/host/packages.py: apt-get, dnf/yum, zypper by os-release), then on the RHEL
    family `postgresql-setup --initdb` with password (scram-sha-256) auth on 127.0.0.1/::1
    (its default is ident), and enable and start the service. A marker in
    `<state_dir>/secrets/` remembers that llmgw installed it: a PostgreSQL llmgw did not
@@ -54,11 +54,11 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from llmgw import config
-from llmgw.agent._packages import PackageError, PackageInstaller, family
-from llmgw.agent._run import run_bounded
-from llmgw.agent.discovery._host import parse_os_release
 from llmgw.cp._store import SQLITE_FILE, SqlStore, open_store
 from llmgw.errors import LlmgwError
+from llmgw.host.os_release import parse_os_release
+from llmgw.host.packages import PackageError, PackageInstaller, family
+from llmgw.host.run import run_bounded
 
 log = logging.getLogger("llmgw.cp.init")
 

@@ -23,7 +23,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw import config, model
-from llmgw.agent import _packages
 from llmgw.agent._engines import MARKER, Installer, Placement, pip_failure, size_words, variant
 from llmgw.agent._fetch import Fetcher
 from llmgw.agent._node import Node
@@ -33,6 +32,7 @@ from llmgw.agent._supervisor import Supervisor
 from llmgw.agent.discovery import RunResult, probe_engines
 from llmgw.cp._mirror import serve_mirror
 from llmgw.errors import StaleEpoch
+from llmgw.host.packages import PackageInstaller
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 CPU = Placement(arch="x86_64", nvidia=False, family="debian")
@@ -335,7 +335,7 @@ async def test_a_held_package_lock_is_reported_waiting_then_installed(
         rig = Rig(tmp_path, nursery)
         sha = rig.put("llama.tar.gz", script_archive("echo version: 7"))
         installer = await rig.start(
-            packages=lambda fam: _packages.PackageInstaller(fam, retry_s=0.05, euid=lambda: 0)
+            packages=lambda fam: PackageInstaller(fam, retry_s=0.05, euid=lambda: 0)
         )
         installer.declare(llama_decl("b4", sha))
         states: list[tuple[str, str]] = []

@@ -28,6 +28,7 @@ import psutil
 
 from llmgw.core import MARKER, is_cache_name
 from llmgw.errors import ParseError
+from llmgw.host.os_release import OsRelease, parse_os_release
 from llmgw.model import (
     Engine,
     Engines,
@@ -50,14 +51,12 @@ from ._host import (
     CpuTimes,
     LoadAvg,
     MemInfo,
-    OsRelease,
     cpu_util_pct,
     cpu_warnings,
     parse_cpuinfo,
     parse_loadavg,
     parse_lscpu,
     parse_meminfo,
-    parse_os_release,
     parse_proc_stat,
 )
 from ._ib import advertise_fabrics, read_ib_adapters

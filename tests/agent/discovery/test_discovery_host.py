@@ -13,7 +13,6 @@ from llmgw.agent.discovery import (
     LoadAvg,
     MemInfo,
     Mount,
-    OsRelease,
     cpu_util_pct,
     cpu_warnings,
     is_shared_fstype,
@@ -24,7 +23,6 @@ from llmgw.agent.discovery import (
     parse_meminfo,
     parse_mount_output,
     parse_mountinfo,
-    parse_os_release,
     parse_proc_stat,
 )
 from llmgw.errors import ParseError
@@ -88,31 +86,6 @@ def test_cpuinfo_aarch64_has_no_avx2_warning() -> None:
 
 def attrs_evolve_arch(cpu: CpuInfo, arch: str) -> CpuInfo:
     return CpuInfo(cpu.model, cpu.count, cpu.flags, arch, cpu.hypervisor)
-
-
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [
-        ("osrelease-ubuntu-22.04.5-gpud-no-trailing-newline.txt",
-         OsRelease("ubuntu", ("debian",), "22.04", "Ubuntu 22.04.5 LTS")),
-        ("osrelease-debian-12-bookworm-armv7-m5stack.txt",
-         OsRelease("debian", (), "12", "Debian GNU/Linux 12 (bookworm)")),
-        ("osrelease-rhel-9.6.txt",
-         OsRelease("rhel", ("fedora",), "9.6", "Red Hat Enterprise Linux 9.6 (Plow)")),
-        ("osrelease-amazon-linux-2023.txt",
-         OsRelease("amzn", ("fedora",), "2023", "Amazon Linux 2023")),
-    ],
-)  # fmt: skip
-def test_os_release(name: str, expected: OsRelease) -> None:
-    assert parse_os_release(fixture(name)) == expected
-
-
-def test_os_release_quoting() -> None:
-    text = '# comment\nID=\'opensuse-leap\'\nID_LIKE="suse opensuse"\n\nVERSION_ID="15.\\"6\\""'
-    assert parse_os_release(text) == OsRelease("opensuse-leap", ("suse", "opensuse"), '15."6"')
-    for bad in ('ID="ubuntu', "just words", ""):
-        with pytest.raises(ParseError):
-            parse_os_release(bad)
 
 
 def test_meminfo_loadavg_stat() -> None:

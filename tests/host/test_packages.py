@@ -14,7 +14,8 @@ from helpers import FIXTURES
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.agent._packages import (
+from llmgw.host.os_release import parse_os_release
+from llmgw.host.packages import (
     FAMILIES,
     MANAGERS,
     PackageError,
@@ -23,7 +24,6 @@ from llmgw.agent._packages import (
     last_meaningful_line,
     only_lock,
 )
-from llmgw.agent.discovery._host import parse_os_release
 
 
 def recorded(name: str) -> tuple[int, bytes, bytes]:

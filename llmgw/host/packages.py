@@ -1,4 +1,4 @@
-"""OS packages an engine needs, from the node's own package manager.
+"""OS packages (an engine's, PostgreSQL's), from the machine's own package manager.
 
 - `family(os_id, os_like)` is pure: os-release's ID and ID_LIKE (as
   discovery reads them, `model.Host.os_id` / `os_like`) to "debian", "rhel",
@@ -37,9 +37,21 @@ from collections.abc import Callable, Mapping, Sequence
 
 import trio
 
-from llmgw.agent._run import run_bounded
 from llmgw.errors import LlmgwError
+from llmgw.host.run import run_bounded
 
+__all__ = [
+    "FAMILIES",
+    "MANAGERS",
+    "MANAGER_ENV",
+    "PackageError",
+    "PackageInstaller",
+    "family",
+    "last_meaningful_line",
+    "only_lock",
+]
+
+# The agent's logger name still: moving the module here changed no log line.
 log = logging.getLogger("llmgw.agent.packages")
 
 FAMILIES = ("debian", "rhel", "suse")

@@ -1,6 +1,7 @@
 """One short command on the node, bounded: its own process group, killed whole at the deadline.
 
-For the installer's helpers (`ldd`, `<engine> --version`, the package manager):
+For the agent's installer helpers (`ldd`, `<engine> --version`), the package manager
+(llmgw.host.packages) and `llmgw-cp init-postgres`:
 stdin is /dev/null, stdout and stderr are read together, at most `keep` bytes
 are kept (the head or the tail: a version is in the first line, a package
 manager says why it failed in its last), and past `timeout_s` the whole group
@@ -17,6 +18,8 @@ from collections.abc import Mapping
 from typing import Literal
 
 import trio
+
+__all__ = ["KEEP_BYTES", "run_bounded"]
 
 KEEP_BYTES = 64 << 10
 
