@@ -41,9 +41,10 @@ from ruamel.yaml.error import YAMLError
 from llmgw import config
 from llmgw._process import run_service, setup_logging
 from llmgw.errors import ConfigError, LlmgwError
+from llmgw.keys import ApiKey
 from llmgw.router import _hypercorn as _hc
 from llmgw.router import _request_id, _server
-from llmgw.router._keys import ApiKey, CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
+from llmgw.router._keys import CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
 from llmgw.router._router import Router, RouterConfig
 from llmgw.router._types import Endpoint, StaticEndpoints
 
