@@ -131,3 +131,29 @@ def test_capnp_is_imported_only_where_capnp_objects_live() -> None:
         if any(n == "capnp" or n.startswith("capnp.") for n in _imports(p))
     )
     assert users == ["_agent.py", "_net.py", "_schema.py", "_thread.py"]
+
+
+# docs/architecture.md draws the package in this order.
+LAYERS = ["_wire", "_schema", "_codec", "_thread", "_agent", "_registry", "_tls", "_gate", "_net"]
+
+
+def test_a_module_imports_only_the_modules_above_it() -> None:
+    assert sorted(LAYERS) == sorted(p.stem for p in RPC.glob("_*.py") if p.stem != "__init__")
+    upward: dict[str, list[str]] = {}
+    for i, name in enumerate(LAYERS):
+        tree = ast.parse((RPC / f"{name}.py").read_text())
+        used = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "llmgw.rpc":
+                used.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llmgw.rpc."):
+                used.add(node.module.removeprefix("llmgw.rpc."))
+        bad = sorted(u for u in used if u not in LAYERS[:i])
+        if bad:
+            upward[name] = bad
+    assert upward == {}
+    docs = (REPO / "docs" / "architecture.md").read_text()
+    drawn = [
+        line.split()[0].removesuffix(".py") for line in docs.splitlines() if line.startswith(" _")
+    ]
+    assert drawn == LAYERS
