@@ -1,8 +1,17 @@
 """Pure decisions: plain values in, decisions out; no trio, capnp, HTTP or filesystem."""
 
 from llmgw.core._admission import Admission, AdmissionConfig, Admit, Band, Queued, Reject
-from llmgw.core._breaker import Breaker, BreakerConfig, BreakerState
+from llmgw.core._attempt import (
+    ATTEMPT_VERDICTS,
+    AttemptOutcome,
+    AttemptPhase,
+    AttemptVerdict,
+    attempt_verdict,
+    head_outcome,
+)
+from llmgw.core._breaker import Breaker, BreakerConfig, BreakerEvent, BreakerState
 from llmgw.core._drain import DrainDecision, DrainingReplica, DrainInput, drain_model
+from llmgw.core._estimates import EngineReport, Estimates, learn
 from llmgw.core._liveness import (
     ConnectionLost,
     Event,
@@ -27,7 +36,7 @@ from llmgw.core._placement import (
     Refusal,
     place,
 )
-from llmgw.core._prefix import Match, PrefixIndex, chain
+from llmgw.core._prefix import NO_MATCH, Match, PrefixIndex, chain
 from llmgw.core._reconcile import (
     DesiredModel,
     ObservedShard,
@@ -38,11 +47,13 @@ from llmgw.core._reconcile import (
     reconcile,
 )
 from llmgw.core._scoring import (
+    POLICIES,
     Decision,
     EndpointLoad,
     RequestEstimate,
     ScoringConfig,
     choose,
+    decide,
     explain,
 )
 from llmgw.core._shard import RUNNING as RUNNING_SHARD_STATES
@@ -74,16 +85,23 @@ from llmgw.core._weights import (
 from llmgw.model import ShardState
 
 __all__ = [
+    "ATTEMPT_VERDICTS",
     "MARKER",
+    "NO_MATCH",
     "PARTIAL_SUFFIX",
+    "POLICIES",
     "RUNNING_SHARD_STATES",
     "Admission",
     "AdmissionConfig",
     "Admit",
     "Allocations",
+    "AttemptOutcome",
+    "AttemptPhase",
+    "AttemptVerdict",
     "Band",
     "Breaker",
     "BreakerConfig",
+    "BreakerEvent",
     "BreakerState",
     "ConnectionLost",
     "Decision",
@@ -92,6 +110,8 @@ __all__ = [
     "DrainInput",
     "DrainingReplica",
     "EndpointLoad",
+    "EngineReport",
+    "Estimates",
     "Event",
     "GpuFacts",
     "HealthRun",
@@ -133,14 +153,18 @@ __all__ = [
     "TreeFile",
     "TreeLink",
     "Verdict",
+    "attempt_verdict",
     "cache_name",
     "chain",
     "check_manifest",
     "choose",
     "classify_source",
+    "decide",
     "drain_model",
     "explain",
+    "head_outcome",
     "is_cache_name",
+    "learn",
     "may_delete",
     "next_shard_state",
     "place",
