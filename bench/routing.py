@@ -230,8 +230,10 @@ def start_fake(tmp: Path, i: int, env: dict[str, str]) -> tuple[Proc, str, int]:
 
 def policy_supported() -> bool:
     """Whether RouterConfig has `policy` (read from the source: a router being edited may
-    not import, and the router runs in its own process anyway)."""
-    source = (ROOT / "llmgw" / "router" / "_router.py").read_text()
+    not import, and the router runs in its own process anyway). RouterConfig is in
+    _config.py; older trees had it in _router.py."""
+    files = [ROOT / "llmgw" / "router" / name for name in ("_config.py", "_router.py")]
+    source = "".join(path.read_text() for path in files if path.exists())
     return re.search(r"^\s+policy: str\b", source, re.M) is not None
 
 

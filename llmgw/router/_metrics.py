@@ -3,8 +3,10 @@
 Counters and histograms are updated per request through cached children (a
 `labels()` call per update would cost more than the rest of the bookkeeping).
 Gauges of state (queue depth, in-flight counts, breaker states, the scoring
-inputs) are read from the router when Prometheus scrapes, so a request pays
-nothing for them. A figure that is unknown (an engine that does not report it,
+inputs) are read from the fleet's frozen snapshot (`Fleet.statistics()`, through
+the `FleetView` Protocol) when Prometheus scrapes, so a request pays nothing for
+them and a scrape changes nothing: it neither re-reads the endpoint source nor
+moves a request. A figure that is unknown (an engine that does not report it,
 or a reading older than the scorer believes) is left out, never exported as 0.
 
 Names: `llmgw_router_` prefix, base units (seconds, ratios), `_total` counters.
@@ -15,17 +17,24 @@ client cannot grow the label set by asking for made-up models.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmgw.core._breaker import BreakerState
+from llmgw.core import BreakerState
 
 if TYPE_CHECKING:
-    from llmgw.router._router import Router, _Exchange
+    from llmgw.router._fleet import FleetStatistics
+    from llmgw.router._record import Record
+
+
+class FleetView(Protocol):
+    """What the gauges read at scrape time: a frozen snapshot (reading changes nothing)."""
+
+    def statistics(self) -> FleetStatistics: ...
+
 
 LATENCY_BUCKETS = (
     0.005,
@@ -50,7 +59,7 @@ WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0
 
 
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry, router: Router) -> None:
+    def __init__(self, registry: CollectorRegistry, fleet: FleetView) -> None:
         self.registry = registry
         self.requests = Counter(
             "llmgw_router_requests",
@@ -144,30 +153,32 @@ class RouterMetrics:
             ["tenant", "reason"],
             registry=registry,
         )
-        registry.register(_StateCollector(router))
+        registry.register(_StateCollector(fleet))
         self._tenant: dict[str, tuple[Any, Any, Any]] = {}
         self._req: dict[tuple[str, int, str], Any] = {}
         self._dur: dict[str, Any] = {}
         self._ttft: dict[str, Any] = {}
         self._wait: dict[tuple[str, str], Any] = {}
 
-    def finished(self, ex: _Exchange, seconds: float) -> None:
-        key = (ex.model, ex.status, ex.band)
+    def finished(self, record: Record, seconds: float) -> None:
+        """A request has ended: its record, read once."""
+        model = record.model
+        key = (model, record.status, record.band)
         child = self._req.get(key)
         if child is None:
-            child = self._req[key] = self.requests.labels(ex.model, str(ex.status), ex.band)
+            child = self._req[key] = self.requests.labels(model, str(record.status), record.band)
         child.inc()
-        if not ex.model:
+        if not model:
             return
-        dur = self._dur.get(ex.model)
+        dur = self._dur.get(model)
         if dur is None:
-            dur = self._dur[ex.model] = self.duration.labels(ex.model)
+            dur = self._dur[model] = self.duration.labels(model)
         dur.observe(seconds)
-        if ex.ttft is not None:
-            ttft = self._ttft.get(ex.model)
+        if record.ttft is not None:
+            ttft = self._ttft.get(model)
             if ttft is None:
-                ttft = self._ttft[ex.model] = self.ttft.labels(ex.model)
-            ttft.observe(ex.ttft)
+                ttft = self._ttft[model] = self.ttft.labels(model)
+            ttft.observe(record.ttft)
 
     def queue_wait(self, model: str, band: str, seconds: float) -> None:
         key = (model, band)
@@ -220,17 +231,15 @@ def _per_endpoint(name: str, documentation: str) -> GaugeMetricFamily:
 
 
 class _StateCollector(Collector):
-    """Gauges read from the router's state at scrape time."""
+    """Gauges read from the fleet's snapshot at scrape time."""
 
-    def __init__(self, router: Router) -> None:
-        self._router = router
+    def __init__(self, fleet: FleetView) -> None:
+        self._fleet = fleet
 
     def collect(self) -> Iterator[Metric]:
-        router = self._router
-        try:
-            now: float | None = trio.current_time()
-        except RuntimeError:  # scraped from a thread: no clock, so no freshness to judge
-            now = None
+        snapshot = self._fleet.statistics()
+        # None when scraped from a thread: no clock, so no freshness to judge.
+        now = snapshot.taken_at
         depth = GaugeMetricFamily(
             "llmgw_router_queue_depth", "Requests waiting for admission", labels=["model", "band"]
         )
@@ -291,27 +300,28 @@ class _StateCollector(Collector):
             "Half-life of the prefix index's credit for the endpoint, learned from its "
             "engine's cache reports (starts at prefix_half_life_s)",
         )
-        scoring = router.score_config()
-        for name, model in router.models().items():
-            stats = model.admission.statistics()
+        endpoints = snapshot.endpoints
+        for name, model in snapshot.models.items():
+            stats = model.admission
             for band, n in stats["queued"].items():
                 depth.add_metric([name, band], n)
             in_flight.add_metric([name], stats["in_flight"])
             limit.add_metric([name], stats["concurrency"])
-            for s in model.endpoints:
-                labels = [name, s.endpoint.endpoint_id]
+            for eid in model.endpoints:
+                s = endpoints[eid]
+                labels = [name, eid]
                 ep_in_flight.add_metric(labels, s.in_flight)
                 pending_prefill.add_metric(labels, s.pending_prefill)
                 pending_decode.add_metric(labels, s.pending_decode)
-                blocks.add_metric(labels, len(s.index))
-                half_life.add_metric(labels, s.index.half_life_s)
+                blocks.add_metric(labels, s.prefix_blocks)
+                half_life.add_metric(labels, s.prefix_half_life_s)
                 healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
                 for st in BreakerState:
-                    breaker.add_metric([*labels, st.value], 1.0 if s.breaker.state is st else 0.0)
+                    breaker.add_metric([*labels, st.value], 1.0 if s.breaker is st else 0.0)
                 if s.scraped_at is None or now is None:
                     continue
                 age.add_metric(labels, max(0.0, now - s.scraped_at))
-                if now - s.scraped_at > scoring.stale_after_s:
+                if now - s.scraped_at > snapshot.stale_after_s:
                     continue  # the scorer counts it as unknown; so do we
                 for family, value in ((running, s.running), (waiting, s.waiting), (kv, s.kv_usage)):
                     if value is not None:

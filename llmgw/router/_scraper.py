@@ -30,8 +30,7 @@ from collections.abc import Callable, Iterable
 import trio
 
 from llmgw import engines
-from llmgw.core._breaker import Breaker
-from llmgw.core._prefix import PrefixIndex
+from llmgw.core import Breaker, PrefixIndex
 from llmgw.router._types import Endpoint
 from llmgw.router._upstream import Pool, UpstreamError
 

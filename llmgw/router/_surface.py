@@ -17,8 +17,11 @@ audio), and that answer reaches the client as the engine sent it.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
+from array import array
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -365,6 +368,270 @@ def stream_error(shape: ErrorShape, message: str, *, status: int, code: str) -> 
         return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
     body = {"error": {"message": message, "type": "upstream_error", "code": code}}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+# --- the router's own errors, in words ----------------------------------------------------
+# Each names the thing, the value, and what would be right (docs: CONVENTIONS.md).
+
+
+def unknown_route(method: str, path: str) -> HttpError:
+    return HttpError(
+        404, f"no such API route: {method} {path}", type="invalid_request_error", code="unknown_url"
+    )
+
+
+def method_not_allowed(method: str, path: str, allow: bytes) -> HttpError:
+    return HttpError(
+        405,
+        f"{method} is not allowed on {path}",
+        type="invalid_request_error",
+        code="method_not_allowed",
+        headers=((b"allow", allow),),
+    )
+
+
+def missing_key() -> HttpError:
+    return HttpError(
+        401,
+        "an API key is needed: Authorization: Bearer <key> (or x-api-key: <key>)",
+        type="authentication_error",
+        code="missing_api_key",
+    )
+
+
+def invalid_key() -> HttpError:
+    return HttpError(
+        401,
+        "the API key is not valid (unknown or revoked)",
+        type="authentication_error",
+        code="invalid_api_key",
+    )
+
+
+def key_store_unavailable(detail: object) -> HttpError:
+    return HttpError(
+        503,
+        f"the API key cannot be checked now (the key store is unreachable: {detail})",
+        type="server_error",
+        code="key_store_unavailable",
+        headers=((b"retry-after", b"5"),),
+    )
+
+
+def too_large(limit: int) -> HttpError:
+    return HttpError(
+        413,
+        f"the request body is over the limit of {limit} bytes",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
+
+
+def unknown_model(name: str) -> HttpError:
+    return HttpError(
+        404,
+        f"the model {name!r} does not exist (see GET /v1/models)",
+        type="invalid_request_error",
+        code="model_not_found",
+    )
+
+
+def model_not_listed(name: str) -> HttpError:
+    """GET /v1/models/{name} for a name the key does not see: 404, not 403, so that
+    the answer does not tell that the name exists."""
+    return HttpError(
+        404,
+        f"the model {name!r} does not exist or is not available to this key (see GET /v1/models)",
+        type="invalid_request_error",
+        code="model_not_found",
+    )
+
+
+def model_not_allowed(key_id: str, name: str) -> HttpError:
+    return HttpError(
+        403,
+        f"API key {key_id} may not use the model {name!r}",
+        type="permission_error",
+        code="model_not_allowed",
+    )
+
+
+def unknown_band(header: str, asked: str, known: str) -> HttpError:
+    return HttpError(
+        400,
+        f"{header}: no band {asked!r}; the bands are {known}",
+        type="invalid_request_error",
+        code="unknown_band",
+    )
+
+
+def default_band_unknown(key_id: str, name: str, known: str) -> HttpError:
+    return HttpError(
+        403,
+        f"API key {key_id}: its default band {name!r} is not configured (the bands are {known})",
+        type="permission_error",
+        code="unknown_band",
+    )
+
+
+def band_not_allowed(message: str) -> HttpError:
+    return HttpError(403, message, type="permission_error", code="band_not_allowed")
+
+
+def rate_limited(message: str, retry_after_s: int | None) -> HttpError:
+    return HttpError(
+        429,
+        message,
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers=((b"retry-after", b"%d" % retry_after_s),) if retry_after_s is not None else (),
+    )
+
+
+def over_capacity(reason: str, retry_after_s: float) -> HttpError:
+    seconds = max(1, math.ceil(retry_after_s))
+    return HttpError(
+        429,
+        f"over capacity: {reason}; retry after {seconds} s",
+        type="rate_limit_error",
+        code="over_capacity",
+        headers=((b"retry-after", b"%d" % seconds),),
+    )
+
+
+def queue_timed_out(band: str, timeout_s: float, model: str, retry_after_s: float) -> HttpError:
+    return over_capacity(
+        f"waited {timeout_s:g} s (the {band} band's queue timeout) for capacity on {model}",
+        retry_after_s,
+    )
+
+
+def no_replica(model: str, *, reachable: bool = False) -> HttpError:
+    detail = (
+        "no replica of it is ready"
+        if not reachable
+        else "none of its replicas can take a request now (unhealthy or circuit open)"
+    )
+    return HttpError(
+        503,
+        f"the model {model!r} is not available: {detail}",
+        type="service_unavailable",
+        code="no_ready_replica",
+        headers=((b"retry-after", b"5"),),
+    )
+
+
+UpstreamKind = Literal["connect", "timeout", "failed"]
+
+
+def upstream_error(model: str, kind: UpstreamKind, detail: object) -> HttpError:
+    """An attempt's failure as the client hears it: `kind` connect (no replica could be
+    reached), timeout (no answer in time) or failed (anything else)."""
+    if kind == "connect":
+        return HttpError(
+            503,
+            f"the model {model!r} is not available: no replica could be reached ({detail})",
+            type="service_unavailable",
+            code="no_ready_replica",
+            headers=((b"retry-after", b"5"),),
+        )
+    if kind == "timeout":
+        return HttpError(
+            504,
+            f"the model {model!r}'s replica did not answer in time: {detail}",
+            type="upstream_error",
+            code="upstream_timeout",
+        )
+    return HttpError(
+        502,
+        f"the model {model!r}'s replica failed: {detail}",
+        type="upstream_error",
+        code="upstream_failed",
+    )
+
+
+def broken_stream(shape: ErrorShape, detail: object, *, status: int, code: str) -> bytes:
+    """The error event for a stream its replica broke after the head was sent."""
+    return stream_error(
+        shape, f"the model's replica failed mid-response: {detail}", status=status, code=code
+    )
+
+
+def explain_without_admin_key(header: str) -> HttpError:
+    return HttpError(
+        403,
+        f"{header}: this router has no admin key configured, so it explains no decisions",
+        type="permission_error",
+        code="explain_not_allowed",
+    )
+
+
+def explain_not_admin(header: str) -> HttpError:
+    return HttpError(
+        403,
+        f"{header}: only the admin key may ask why an endpoint "
+        "is chosen (its answer shows the whole fleet's load)",
+        type="permission_error",
+        code="explain_not_allowed",
+    )
+
+
+# --- the JSON body ------------------------------------------------------------------------
+
+# JSON strings, skipped when measuring nesting (brackets inside them do not nest).
+# Possessive, so an unterminated string costs one pass, not a backtracking search.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_NESTING = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def nests_deeper(body: bytes, limit: int) -> bool:
+    """Whether the JSON text nests arrays and objects more than `limit` deep.
+
+    Cheap for the usual body: fewer opening brackets than the limit cannot nest
+    deeper. Otherwise the strings are taken out and the brackets summed as +1/-1
+    in C (translate, array, accumulate): no Python loop over the bytes.
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    structure = _JSON_STRING.sub(b"", body).translate(_NESTING, _NOT_BRACKETS)
+    return max(itertools.accumulate(array("b", structure)), default=0) > limit
+
+
+def _invalid_json(message: str) -> HttpError:
+    return HttpError(400, message, type="invalid_request_error", code="invalid_json")
+
+
+def parse_json(body: bytes, required: str | None, max_depth: int) -> tuple[dict[str, Any], str]:
+    """The request object and the model it names, or the 400 that says what is wrong.
+
+    `required`: a field the route needs besides `model`; `max_depth`: the router's
+    `max_json_depth`, checked before the body is parsed.
+    """
+    if nests_deeper(body, max_depth):
+        raise _invalid_json(
+            f"the request body nests arrays and objects more than {max_depth} levels deep "
+            "(the router's max_json_depth)"
+        )
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise _invalid_json(f"the request body is not JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise _invalid_json("the request body must be a JSON object")
+    model = request.get("model")
+    if not isinstance(model, str) or not model:
+        raise HttpError(
+            400,
+            "model: required, a string naming a served model (see GET /v1/models)",
+            type="invalid_request_error",
+            code="missing_field",
+        )
+    if required is not None and required not in request:
+        raise HttpError(
+            400, f"{required}: required", type="invalid_request_error", code="missing_field"
+        )
+    return request, model
 
 
 # --- the prompt, for the prefix index -----------------------------------------------------

@@ -1,0 +1,438 @@
+"""The router's view of the fleet: served models, their endpoints, their queues.
+
+`Fleet` follows the endpoint source (`refresh`: new endpoints, gone ones, moved
+ones, each model's concurrency limit), holds each model's admission and the
+requests waiting in its queue, and chooses an endpoint for an attempt from
+what it knows of their load (llmgw/core/_scoring.py decides; this module
+gathers the figures). Reading it never changes it: `statistics()` is a frozen
+snapshot (`FleetStatistics`), which the metrics collector and the admin pages
+read, so a scrape cannot refresh the view or move a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from llmgw.core import (
+    NO_MATCH,
+    Admission,
+    AdmissionConfig,
+    Band,
+    Breaker,
+    BreakerConfig,
+    BreakerState,
+    EndpointLoad,
+    Estimates,
+    Match,
+    PrefixIndex,
+    Queued,
+    RequestEstimate,
+    ScoringConfig,
+    decide,
+)
+from llmgw.router._config import RouterConfig
+from llmgw.router._record import Prompt
+from llmgw.router._scraper import EndpointState
+from llmgw.router._tenants import share
+from llmgw.router._types import Endpoint, EndpointSource
+
+log = logging.getLogger("llmgw.router")
+
+
+class Model:
+    """One served name: its endpoints, its admission, and what its answers taught
+    (`estimates`, llmgw/core/_estimates.py)."""
+
+    __slots__ = ("admission", "endpoints", "estimates", "name", "rotation")
+
+    def __init__(self, name: str, admission: Admission) -> None:
+        self.name = name
+        self.admission = admission
+        self.endpoints: tuple[EndpointState, ...] = ()
+        self.estimates = Estimates()
+        self.rotation = 0
+
+    def __repr__(self) -> str:
+        return f"<Model {self.name} {len(self.endpoints)} endpoints {self.estimates!r}>"
+
+    def estimate(self, prompt: Prompt | None) -> RequestEstimate:
+        if prompt is None:
+            return self.estimates.request(None)
+        return self.estimates.request(len(prompt.text), prompt.max_tokens)
+
+
+class _Waiter:
+    __slots__ = ("admitted", "event", "retry_after_s")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.admitted = False
+        self.retry_after_s: float | None = None
+
+
+# --- the snapshot ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class EndpointStatistics:
+    endpoint_id: str
+    healthy: bool
+    in_flight: int
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    scraped_at: float | None
+    pending_prefill: float
+    pending_decode: float
+    prefix_blocks: int
+    prefix_half_life_s: float
+    breaker: BreakerState
+    pool: Mapping[str, int]
+
+
+@attrs.frozen
+class ModelStatistics:
+    name: str
+    admission: Mapping[str, Any]  # Admission.statistics()
+    endpoints: tuple[str, ...]  # endpoint ids, keys of FleetStatistics.endpoints
+
+
+@attrs.frozen
+class FleetStatistics:
+    """The fleet view at one moment. Equal snapshots: an unchanged view (`taken_at`,
+    the trio clock then or None outside trio, is not compared)."""
+
+    models: Mapping[str, ModelStatistics]  # the models the source lists
+    endpoints: Mapping[str, EndpointStatistics]
+    waiting: int  # requests waiting in a queue
+    stale_after_s: float  # a reading older than this is unknown to the scorer
+    taken_at: float | None = attrs.field(default=None, eq=False)
+
+    def as_json(self) -> dict[str, Any]:
+        """The snapshot as JSON (`Router.statistics()`): the breaker state by name."""
+        return {
+            "models": {
+                name: {"admission": dict(m.admission), "endpoints": list(m.endpoints)}
+                for name, m in self.models.items()
+            },
+            "endpoints": {
+                eid: {
+                    "healthy": e.healthy,
+                    "in_flight": e.in_flight,
+                    "running": e.running,
+                    "waiting": e.waiting,
+                    "kv_usage": e.kv_usage,
+                    "scraped_at": e.scraped_at,
+                    "pending_prefill": e.pending_prefill,
+                    "pending_decode": e.pending_decode,
+                    "prefix_blocks": e.prefix_blocks,
+                    "prefix_half_life_s": e.prefix_half_life_s,
+                    "breaker": e.breaker.value,
+                    "pool": dict(e.pool),
+                }
+                for eid, e in self.endpoints.items()
+            },
+            "waiting": self.waiting,
+        }
+
+
+def _in_trio() -> bool:
+    try:
+        trio.current_time()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _moved(old: Endpoint, new: Endpoint) -> bool:
+    return (old.host, old.port, old.engine) != (new.host, new.port, new.engine)
+
+
+class Fleet:
+    """The models and endpoints the source lists, kept current; see the module."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        source: EndpointSource,
+        *,
+        worker: int = 0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.worker = worker
+        self._source = source
+        self._rng = rng or random.Random()
+        self.scoring = ScoringConfig(
+            policy=config.policy,  # type: ignore[arg-type]  # checked by RouterConfig
+            scrape_interval_s=config.scrape_interval_s,
+            stale_after_intervals=config.stale_after_intervals,
+            epsilon=config.load_bound_epsilon,
+        )
+        self._breaker_config = BreakerConfig(
+            failure_threshold=config.breaker_failures, open_s=config.breaker_open_s
+        )
+        self._models: dict[str, Model] = {}  # every name ever listed (their admission stays)
+        self._known: dict[str, Model] = {}  # what the source lists now
+        self._states: dict[str, EndpointState] = {}
+        # Endpoints that left the source's list with requests still on them: their
+        # counts stay readable (`in_flight`) until the last one ends (a drain waits on it).
+        self._leaving: dict[str, list[EndpointState]] = {}
+        self._seen_version: int | None = None
+        self._waiters: dict[str, _Waiter] = {}
+        self.refresh()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Fleet {len(self._known)} models, {len(self._states)} endpoints, "
+            f"{len(self._waiters)} waiting>"
+        )
+
+    # --- views ---------------------------------------------------------------------------
+
+    def models(self) -> dict[str, Model]:
+        """The models the source lists, re-read first when it changed."""
+        self.maybe_refresh()
+        return self._known
+
+    def endpoint_states(self) -> dict[str, EndpointState]:
+        return self._states
+
+    def in_flight(self, endpoint_id: str) -> int:
+        """Requests being proxied to this endpoint now, whether or not it is still listed.
+
+        Reads the source first, so a caller that has just taken the endpoint out of
+        the list and then sees 0 knows nothing is, or will be, sent there.
+        """
+        self.maybe_refresh()
+        listed = self._states.get(endpoint_id)
+        gone = self._leaving.get(endpoint_id, ())
+        return (listed.in_flight if listed is not None else 0) + sum(s.in_flight for s in gone)
+
+    def statistics(self) -> FleetStatistics:
+        """A frozen snapshot; reads only (the source is not re-read)."""
+        return FleetStatistics(
+            models={
+                name: ModelStatistics(
+                    name,
+                    m.admission.statistics(),
+                    tuple(s.endpoint.endpoint_id for s in m.endpoints),
+                )
+                for name, m in self._known.items()
+            },
+            endpoints={
+                eid: EndpointStatistics(
+                    endpoint_id=eid,
+                    healthy=s.healthy,
+                    in_flight=s.in_flight,
+                    running=s.running,
+                    waiting=s.waiting,
+                    kv_usage=s.kv_usage,
+                    scraped_at=s.scraped_at,
+                    pending_prefill=s.pending_prefill,
+                    pending_decode=s.pending_decode,
+                    prefix_blocks=len(s.index),
+                    prefix_half_life_s=s.index.half_life_s,
+                    breaker=s.breaker.state,
+                    pool=s.pool.statistics(),
+                )
+                for eid, s in self._states.items()
+            },
+            waiting=len(self._waiters),
+            stale_after_s=self.scoring.stale_after_s,
+            taken_at=trio.current_time() if _in_trio() else None,
+        )
+
+    # --- following the source ------------------------------------------------------------
+
+    def maybe_refresh(self) -> None:
+        if self._source.version != self._seen_version:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the endpoint source: new endpoints, gone ones, concurrency limits."""
+        self._seen_version = self._source.version
+        snapshot = self._source.snapshot()
+        now = trio.current_time() if _in_trio() else 0.0
+        config = self.config
+        states: dict[str, EndpointState] = {}
+        known: dict[str, Model] = {}
+        for name, eps in snapshot.items():
+            model = self._models.get(name)
+            if model is None:
+                model = self._models[name] = Model(name, self._new_admission(name))
+            model_states = []
+            for ep in eps:
+                state = self._states.get(ep.endpoint_id) or states.get(ep.endpoint_id)
+                if state is None or _moved(state.endpoint, ep):
+                    if state is not None:
+                        state.close()
+                        if state.in_flight > 0:
+                            self._leaving.setdefault(ep.endpoint_id, []).append(state)
+                    state = EndpointState(
+                        ep,
+                        Breaker(self._breaker_config, name=ep.endpoint_id),
+                        keepalive_s=config.upstream_keepalive_s,
+                        index=PrefixIndex(
+                            config.prefix_blocks_per_endpoint, config.prefix_half_life_s
+                        ),
+                    )
+                elif state.endpoint != ep:
+                    state.endpoint = ep
+                    if ep.slots is not None:
+                        state.slots = ep.slots
+                states[ep.endpoint_id] = state
+                model_states.append(state)
+            model.endpoints = tuple(model_states)
+            known[name] = model
+        for eid, state in self._states.items():
+            if eid not in states:
+                state.close()
+                if state.in_flight > 0:
+                    self._leaving.setdefault(eid, []).append(state)
+        self._leaving = {
+            eid: busy
+            for eid, gone in self._leaving.items()
+            if (busy := [s for s in gone if s.in_flight > 0])
+        }
+        for name, model in self._models.items():
+            if name not in known:
+                model.endpoints = ()
+            self.wake(model.admission.set_concurrency(self._concurrency(model), now))
+        self._states = states
+        self._known = known
+        log.debug("endpoints now: %s", {n: len(m.endpoints) for n, m in known.items()})
+
+    def slots_changed(self, state: EndpointState) -> None:
+        """The engine reported how many requests it runs at once: admission follows."""
+        now = trio.current_time()
+        for model in self._known.values():
+            if state in model.endpoints:
+                self.wake(model.admission.set_concurrency(self._concurrency(model), now))
+
+    def _concurrency(self, model: Model) -> int:
+        if not model.endpoints:
+            return 0
+        if self.config.concurrency is not None:
+            total = self.config.concurrency
+        else:
+            total = sum(s.slots or self.config.slots_per_endpoint for s in model.endpoints)
+        return share(total, self.worker, self.config.workers)
+
+    def _new_admission(self, name: str) -> Admission:
+        cfg = AdmissionConfig(
+            concurrency=0,
+            queue_limit=share(self.config.queue_limit, self.worker, self.config.workers),
+            bands=tuple(self.config.bands),
+        )
+        return Admission(cfg, name=name)
+
+    def close(self) -> None:
+        for state in self._states.values():
+            state.close()
+
+    # --- the queue -----------------------------------------------------------------------
+
+    async def wait(self, model: Model, req_id: str, band: Band, queued: Queued) -> float | None:
+        """Wait in the model's queue until admitted (None) or timed out: then the seconds
+        after which to retry."""
+        waiter = self._waiters[req_id] = _Waiter()
+        try:
+            with trio.move_on_at(queued.deadline):
+                await waiter.event.wait()
+            if not waiter.admitted and waiter.retry_after_s is None:
+                for rid, retry_after in model.admission.expire(trio.current_time()):
+                    other = self._waiters.pop(rid, None)
+                    if other is not None:
+                        other.retry_after_s = retry_after
+                        other.event.set()
+                if waiter.retry_after_s is None and not waiter.admitted:
+                    # Not expired by the admission's clock (rounding): the timeout is ours.
+                    waiter.retry_after_s = model.admission.retry_after(band.name)
+        finally:
+            self._waiters.pop(req_id, None)
+        if waiter.admitted:
+            return None
+        return waiter.retry_after_s or 1.0
+
+    def wake(self, admitted: tuple[str, ...]) -> None:
+        for rid in admitted:
+            waiter = self._waiters.pop(rid, None)
+            if waiter is not None:
+                waiter.admitted = True
+                waiter.event.set()
+
+    # --- choosing an endpoint ------------------------------------------------------------
+
+    def loads(
+        self,
+        candidates: list[EndpointState],
+        model: Model,
+        prompt: Prompt | None,
+        now: float,
+    ) -> tuple[list[EndpointLoad], list[Match]]:
+        """The scorer's figures for each candidate, and its prefix index's match."""
+        blocks = prompt.blocks if prompt is not None else ()
+        per_block = model.estimates.tokens_per_block(self.config.prefix_block_bytes)
+        matches = [s.index.match(blocks, now) if blocks else NO_MATCH for s in candidates]
+        loads = [
+            EndpointLoad(
+                endpoint_id=s.endpoint.endpoint_id,
+                healthy=s.healthy,
+                allowed=s.breaker.would_allow(now),
+                in_flight=s.in_flight,
+                waiting=s.waiting,
+                running=s.running,
+                kv_usage=s.kv_usage,
+                scraped_at=s.scraped_at,
+                own_at_scrape=s.own_at_scrape,
+                pending_prefill=s.pending_prefill,
+                pending_decode=s.pending_decode,
+                cached_tokens=m.credit * per_block,
+            )
+            for s, m in zip(candidates, matches, strict=True)
+        ]
+        return loads, matches
+
+    def choose(
+        self,
+        model: Model,
+        now: float,
+        affinity: str | None,
+        tried: set[str],
+        prompt: Prompt | None = None,
+        estimate: RequestEstimate | None = None,
+    ) -> tuple[EndpointState, Match, bool] | None:
+        """The endpoint, its index's match, and whether the bound spilled it there."""
+        candidates = [s for s in model.endpoints if s.endpoint.endpoint_id not in tried]
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            only = candidates[0]
+            if not (only.healthy and only.breaker.would_allow(now)):
+                return None
+            blocks = prompt.blocks if prompt is not None else ()
+            return only, (only.index.match(blocks, now) if blocks else NO_MATCH), False
+        loads, matches = self.loads(candidates, model, prompt, now)
+        chosen, spilled = decide(
+            loads,
+            estimate or model.estimate(prompt),
+            now,
+            self._rng,
+            self.scoring,
+            affinity,
+            rotation=model.rotation,
+        )
+        if chosen is None:
+            return None
+        model.rotation += 1
+        for state, match in zip(candidates, matches, strict=True):
+            if state.endpoint.endpoint_id == chosen:
+                return state, match, spilled
+        return None
