@@ -44,6 +44,7 @@ from llmgw.core._reconcile import (
     ReplicaView,
     Start,
     Stop,
+    guard_release_at,
     reconcile,
 )
 from llmgw.core._scoring import (
@@ -162,6 +163,7 @@ __all__ = [
     "decide",
     "drain_model",
     "explain",
+    "guard_release_at",
     "head_outcome",
     "is_cache_name",
     "learn",

@@ -36,9 +36,8 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-import llmgw.core._placement as placement
 from llmgw import core, engines, model
-from llmgw.core._reconcile import (
+from llmgw.core import (
     DesiredModel,
     ObservedShard,
     Plan,
@@ -397,7 +396,7 @@ class Reconciler:
             state=view.state if view is not None else None,
         )
 
-    def facts(self) -> list[placement.NodeFacts]:
+    def facts(self) -> list[core.NodeFacts]:
         held = self._registry.cordoned.keys() | self._registry.draining.keys()
         out = []
         for rec in self._registry.records():
@@ -420,7 +419,7 @@ class Reconciler:
             return False
         return True
 
-    def allocations(self) -> placement.Allocations:
+    def allocations(self) -> core.Allocations:
         gpus: dict[str, frozenset[int]] = {}
         cpu: dict[str, int] = {}
         for rec in self._registry.records():
@@ -439,20 +438,20 @@ class Reconciler:
             cpu[rec.node_id] = sum(1 for s in rec.shards if not s.gpus) + sum(
                 1 for spec in flying if not spec.gpus
             )
-        return placement.Allocations(gpus=gpus, cpu_replicas=cpu)
+        return core.Allocations(gpus=gpus, cpu_replicas=cpu)
 
-    def placer(self) -> placement.Placer:
+    def placer(self) -> core.Placer:
         """The fleet indexed once; place several replicas with it, adding each."""
-        return placement.Placer(self.facts(), self.allocations())
+        return core.Placer(self.facts(), self.allocations())
 
     def try_place(
-        self, m: CatalogModel, placer: placement.Placer | None = None
-    ) -> tuple[Profile, placement.Placement] | Unplaced:
+        self, m: CatalogModel, placer: core.Placer | None = None
+    ) -> tuple[Profile, core.Placement] | Unplaced:
         placer = placer or self.placer()
         reasons: list[str] = []
         for i, profile in enumerate(m.profiles):
             result = placer.place(placement_profile(m, profile, self._weights_bytes(m.source)))
-            if isinstance(result, placement.Placement):
+            if isinstance(result, core.Placement):
                 return profile, result
             prefix = f"profile {i} ({profile.engine}, {profile.gpu_class or 'cpu'}): "
             if len(m.profiles) == 1:
@@ -463,7 +462,7 @@ class Reconciler:
     def _weights_bytes(self, source: str) -> int | None:
         return self.sizes(source) if self.sizes is not None else None
 
-    def _start_soon(self, m: CatalogModel, placer: placement.Placer) -> None:
+    def _start_soon(self, m: CatalogModel, placer: core.Placer) -> None:
         """Place one replica now (synchronously, so the pass's next placement sees its
         cards taken) and send its start in a task of its own."""
         found = self.try_place(m, placer)
@@ -541,7 +540,7 @@ class Reconciler:
         self,
         m: CatalogModel,
         profile: Profile,
-        where: placement.Placement,
+        where: core.Placement,
         replica_id: str,
         records: dict[str, NodeRecord],
     ) -> list[tuple[str, model.ShardSpec]]:
@@ -621,11 +620,11 @@ def weights_key(source: str) -> str:
 
 def placement_profile(
     m: CatalogModel, p: Profile, weights_bytes: int | None = None
-) -> placement.PlacementProfile:
+) -> core.PlacementProfile:
     """`weights_bytes`: the source's size when it is fetched and known; None otherwise
     (a local path or a hub id: nothing to fetch, nothing to refuse)."""
     fetched = _fetched(m.source)
-    return placement.PlacementProfile(
+    return core.PlacementProfile(
         model=weights_key(m.source),
         engine=p.engine,
         gpu_class=p.gpu_class,
@@ -688,14 +687,14 @@ def engine_facts(
     return frozenset(runnable), said
 
 
-def node_facts(rec: NodeRecord, declared: model.EngineDecls | None = None) -> placement.NodeFacts:
+def node_facts(rec: NodeRecord, declared: model.EngineDecls | None = None) -> core.NodeFacts:
     inv = rec.inventory
     runnable, engine_words = engine_facts(inv.engines, declared)
     gpus = None
     if inv.gpus is not None:
         usage = {u.index: u for u in inv.usage.gpus}
         gpus = tuple(
-            placement.GpuFacts(
+            core.GpuFacts(
                 index=g.index,
                 uuid=g.uuid,
                 gpu_class=g.gpu_class,
@@ -712,7 +711,7 @@ def node_facts(rec: NodeRecord, declared: model.EngineDecls | None = None) -> pl
         if fs is not None and fs.free_bytes is not None:
             disk = fs.free_bytes  # shared or not: it is where the fetch writes
     topo = inv.topology
-    return placement.NodeFacts(
+    return core.NodeFacts(
         node_id=rec.node_id,
         address=rec.host,
         ready=rec.liveness.state is core.NodeState.READY,
