@@ -205,6 +205,9 @@ class ServerConfig:
     # After a start, wait for agents before acting.
     reconcile_settle_s: float = attrs.field(default=10.0, validator=between(0, 3600))
     stop_grace_s: float = attrs.field(default=30.0, validator=positive(3600))
+    # The ports the reconciler gives an engine whose profile names no `port_range`,
+    # [first, last]: the range a fleet's firewall opens between router and nodes.
+    engine_ports: tuple[int, int] = attrs.field(default=(8100, 8999))
     # A replica with a rank unhealthy (its /health failing) this long is replaced.
     unhealthy_replace_s: float = attrs.field(default=30.0, validator=positive(86400))
     # A draining node's replica, once replaced, waits this long for its in-flight requests.
@@ -232,6 +235,15 @@ class ServerConfig:
     # them; null: rpc_listen's port on this machine's name (its FQDN) when rpc_listen's
     # host is a wildcard, else rpc_listen itself.
     advertise: HostPort | None = None
+
+    @engine_ports.validator
+    def _check_engine_ports(self, attribute: attrs.Attribute[Any], value: tuple[int, int]) -> None:
+        first, last = value
+        if not 0 < first <= last < 65536:
+            raise BoundError(
+                attribute.name,
+                f"must be [first, last] ports, 0 < first ≤ last < 65536 (got {list(value)})",
+            )
 
 
 @attrs.define(kw_only=True, frozen=True)
@@ -399,20 +411,28 @@ def structure(data: Any, cls: type[T], source: str, at: str = "") -> T:
         raise ConfigError("\n".join(lines) or f"{source}: {exc}") from None
 
 
-def load(path: Path, cls: type[T]) -> T:
-    """Read a YAML file into `cls`; every error names the file and the key path."""
+def read_yaml(path: Path) -> Any:
+    """A YAML file's data (None for an empty one), the one way llmgw reads its files.
+
+    A ConfigError names the file, and for bad YAML the line and column:
+    `server.yaml: line 3 column 7: not valid YAML: mapping values are not allowed here`.
+    """
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
-        data = YAML(typ="safe", pure=True).load(text)
+        return YAML(typ="safe", pure=True).load(text)
     except YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}:{where}: not valid YAML: {problem}") from None
-    return structure(data, cls, str(path))
+
+
+def load(path: Path, cls: type[T]) -> T:
+    """Read a YAML file into `cls`; every error names the file and the key path."""
+    return structure(read_yaml(path), cls, str(path))
 
 
 def check_tls_files(tls: TlsFiles, source: str | Path, key: str = "tls") -> None:

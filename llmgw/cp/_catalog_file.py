@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from ruamel.yaml import YAML
-from ruamel.yaml.error import YAMLError
 
-from llmgw import model
+from llmgw import config, model
 from llmgw.cp import _catalog
 from llmgw.errors import ConfigError
 
@@ -26,13 +24,7 @@ log = logging.getLogger("llmgw.cp.catalog")
 
 def read_data(path: Path) -> Any:
     """server.yaml's parsed YAML ({} for an empty file)."""
-    try:
-        data = YAML(typ="safe", pure=True).load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return data or {}
+    return config.read_yaml(path) or {}
 
 
 def read(path: Path) -> _catalog.Catalog:

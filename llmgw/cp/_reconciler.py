@@ -84,6 +84,7 @@ class Reconciler:
         stop_grace_s: float = 30.0,
         drain_timeout_s: float = 300.0,
         unhealthy_replace_s: float = 30.0,
+        engine_ports: tuple[int, int] = PORTS,
         clock: Callable[[], float] = trio.current_time,
         sizes: Callable[[str], int | None] | None = None,
     ) -> None:
@@ -97,6 +98,7 @@ class Reconciler:
         self.stop_grace_s = stop_grace_s
         self._clock = clock
         self.unhealthy_replace_s = unhealthy_replace_s
+        self._engine_ports = engine_ports  # for a profile with no port_range
         self._started_at: float | None = None
         self._settled = False  # latches once the fleet has re-registered after our start
         self._expected: frozenset[str] = frozenset()
@@ -226,7 +228,7 @@ class Reconciler:
         for replica_id, p in self._pending.items():
             if replica_id not in seen:
                 pending[p.model_name] = pending.get(p.model_name, 0) + 1
-        sick = {s.shard_id for s in shards if s.state == "unhealthy"}
+        sick = {s.shard_id for s in shards if s.state == model.ShardState.UNHEALTHY}
         self._unhealthy_since = {
             sid: self._unhealthy_since.get(sid, now) for sid in sick
         }  # a shard that recovers starts from zero next time
@@ -291,7 +293,7 @@ class Reconciler:
         return core.DrainInput(nodes, in_flight, dict(self._retiring), self.drain_timeout_s)
 
     def _note_retiring(self, plan: Plan, now: float) -> None:
-        retiring = {v.replica_id for v in plan.replicas if v.state == "retiring"}
+        retiring = {v.replica_id for v in plan.replicas if v.state == core.ReplicaState.RETIRING}
         if retiring == set(self._retiring):
             return
         self._retiring = {r: self._retiring.get(r, now) for r in retiring}
@@ -530,7 +532,8 @@ class Reconciler:
         # the next pass, `interval_s` on, plans from what is observed.
         log.warning("replica %s of %s: %s", replica_id, p.model_name, failure)
         self._failed_starts[replica_id] = ReplicaView(
-            replica_id, p.model_name, "failed", tuple(n for n, _ in p.ranks), p.since, False,
+            replica_id, p.model_name, core.ReplicaState.FAILED, tuple(n for n, _ in p.ranks),
+            p.since, False,
             failure,
         )  # fmt: skip
         for node_id, shard_id in started:
@@ -549,7 +552,7 @@ class Reconciler:
             for node_id, spec in p.ranks:
                 if node_id in records and spec.port is not None:
                     taken.setdefault(records[node_id].host, set()).add(spec.port)
-        first, last = profile.port_range or PORTS
+        first, last = profile.port_range or self._engine_ports
         leader_host = records[where.ranks[0].node_id].host
         rendezvous = free_port(taken.get(leader_host, set()), *RENDEZVOUS_PORTS)
         taken.setdefault(leader_host, set()).add(rendezvous)
@@ -595,8 +598,9 @@ class Reconciler:
         for replica_id, p in sorted(self._pending.items()):
             if replica_id not in shown:
                 nodes = tuple(n for n, _ in p.ranks)
-                views.append(ReplicaView(replica_id, p.model_name, "starting", nodes, p.since,
-                                         False, "start sent, not answered yet"))  # fmt: skip
+                why = "start sent, not answered yet"
+                views.append(ReplicaView(replica_id, p.model_name, core.ReplicaState.STARTING,
+                                         nodes, p.since, False, why))  # fmt: skip
         views += [v for r, v in sorted(self._failed_starts.items()) if r not in shown]
         return views
 

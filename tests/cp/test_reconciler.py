@@ -184,6 +184,20 @@ async def test_a_start_that_fails_is_not_counted_again(autojump_clock: Any) -> N
         nursery.cancel_scope.cancel()
 
 
+async def test_engines_get_ports_from_engine_ports(autojump_clock: Any) -> None:
+    # server.yaml `engine_ports` reaches placement: 3 replicas on one host (three agents
+    # of one machine share its ports) take 3 different ports of a 4-port range.
+    registry, reconciler = make(replicas=3, engine_ports=(20_000, 20_003))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        agents = [(await register(registry, n))[0] for n in "abc"]
+        await nursery.start(reconciler.run)
+        await wait_until("three starts", lambda: sum(len(a.started) for a in agents) == 3)
+        ports = [spec.port for a in agents for spec in a.started]
+        assert all(p is not None and 20_000 <= p <= 20_003 for p in ports), ports
+        nursery.cancel_scope.cancel()
+
+
 # Settle by who is expected ---------------------------------------------------------------
 
 
