@@ -42,7 +42,8 @@ log = logging.getLogger("llmgw.rpc")
 
 
 class CapnpThread(Bridge):
-    """One thread running asyncio + KJ; every capnp object lives there."""
+    """The capnp thread (`Bridge`: asyncio + KJ, where every capnp object lives) with
+    its connections: what the control plane and the agent open (`CapnpThread.open`)."""
 
     def __init__(
         self,
