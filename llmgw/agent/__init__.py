@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# /proc only, no trio: `llmgw.agent.discovery` imports this package first.
+from llmgw.agent._procfs import OWNER_ENV
+from llmgw.agent._procfs import environ as process_environ
+
 
 def main(argv: list[str] | None = None) -> int:
     # Imported here so that `llmgw.agent.discovery` does not drag in trio and capnp.
@@ -10,4 +14,4 @@ def main(argv: list[str] | None = None) -> int:
     return agent_main(argv)
 
 
-__all__ = ["main"]
+__all__ = ["OWNER_ENV", "main", "process_environ"]

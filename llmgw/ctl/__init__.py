@@ -1,5 +1,6 @@
 """The operator's CLI."""
 
+from llmgw.ctl._cert import init_ca, issue_agent, issue_server
 from llmgw.ctl._main import main
 
-__all__ = ["main"]
+__all__ = ["init_ca", "issue_agent", "issue_server", "main"]

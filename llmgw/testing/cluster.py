@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from llmgw.ctl import _cert
+from llmgw.ctl import init_ca, issue_agent, issue_server
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -262,11 +262,11 @@ class LocalCluster:
     def setup(self, nodes: Sequence[str]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         if not (self.pki / "ca.crt").exists():
-            _cert.init_ca(self.pki)
-            _cert.issue_server(self.pki, self.server_names)
+            init_ca(self.pki)
+            issue_server(self.pki, self.server_names)
         for node in nodes:
             if not (self.pki / f"agent-{node}.crt").exists():
-                _cert.issue_agent(self.pki, node)
+                issue_agent(self.pki, node)
         self.write_server_config()
         for node in nodes:
             self.write_agent_config(node)
@@ -431,13 +431,13 @@ class LocalCluster:
 
     def kill_engines(self) -> list[int]:
         """Engines outlive their agents by design; a test's must not outlive the test."""
-        from llmgw.agent import _procfs
+        from llmgw.agent import OWNER_ENV, process_environ
 
         killed = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
-            owner = _procfs.environ(int(entry.name)).get(_procfs.OWNER_ENV, "")
+            owner = process_environ(int(entry.name)).get(OWNER_ENV, "")
             if owner.startswith(str(self.root.resolve())):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(int(entry.name), signal.SIGKILL)
