@@ -47,6 +47,12 @@ from llmgw.core._reconcile import (
     guard_release_at,
     reconcile,
 )
+from llmgw.core._replica import (
+    ALIVE_REPLICA_STATES,
+    REPLACED_REPLICA_STATES,
+    ReplicaMeaning,
+    ReplicaState,
+)
 from llmgw.core._scoring import (
     POLICIES,
     Decision,
@@ -86,11 +92,13 @@ from llmgw.core._weights import (
 from llmgw.model import ShardState
 
 __all__ = [
+    "ALIVE_REPLICA_STATES",
     "ATTEMPT_VERDICTS",
     "MARKER",
     "NO_MATCH",
     "PARTIAL_SUFFIX",
     "POLICIES",
+    "REPLACED_REPLICA_STATES",
     "RUNNING_SHARD_STATES",
     "Admission",
     "AdmissionConfig",
@@ -139,6 +147,8 @@ __all__ = [
     "Refusal",
     "Registered",
     "Reject",
+    "ReplicaMeaning",
+    "ReplicaState",
     "ReplicaView",
     "RequestEstimate",
     "ScoringConfig",

@@ -30,6 +30,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
+from llmgw.core._replica import ReplicaState
+
 DRAINING = "its node is draining"
 
 
@@ -55,7 +57,7 @@ class DrainingReplica:
 @attrs.frozen
 class DrainDecision:
     replica_id: str
-    state: str  # draining | retiring
+    state: ReplicaState  # draining | retiring
     stop: bool
     reason: str
 
@@ -91,7 +93,10 @@ def drain_model(
                     f"kept until its replacement is ready ({model_name} has {ready_elsewhere} "
                     f"ready replica{'s' if ready_elsewhere != 1 else ''} elsewhere, wants {wanted})"
                 )
-            out.append(DrainDecision(r.replica_id, "draining", False, f"{DRAINING}; {why}"))
+            decision = DrainDecision(
+                r.replica_id, ReplicaState.DRAINING, False, f"{DRAINING}; {why}"
+            )
+            out.append(decision)
             continue
         out.append(_retire(r, drain, now))
     return out
@@ -99,7 +104,7 @@ def drain_model(
 
 def _retire(r: DrainingReplica, drain: DrainInput, now: float) -> DrainDecision:
     def decide(stop: bool, why: str) -> DrainDecision:
-        return DrainDecision(r.replica_id, "retiring", stop, f"{DRAINING}; {why}")
+        return DrainDecision(r.replica_id, ReplicaState.RETIRING, stop, f"{DRAINING}; {why}")
 
     since = drain.retiring_since.get(r.replica_id)
     if not r.ready:

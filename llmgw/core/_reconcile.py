@@ -43,6 +43,9 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from llmgw.core._drain import DrainingReplica, DrainInput, drain_model
+from llmgw.core._liveness import NodeState
+from llmgw.core._replica import ALIVE_REPLICA_STATES, BEHIND, ReplicaState
+from llmgw.model import ShardState
 
 
 @attrs.frozen
@@ -56,9 +59,9 @@ class DesiredModel:
 @attrs.frozen
 class ObservedShard:
     node_id: str
-    node_state: str  # ready, unreachable, lost
+    node_state: str  # a NodeState value: ready, unreachable, lost
     shard_id: str
-    state: str  # starting, loading, ready, unhealthy, failed, stopped
+    state: str  # a ShardState value: starting, loading, ready, unhealthy, failed, stopped
     replica_id: str | None
     model_name: str | None
     rank: int
@@ -83,8 +86,8 @@ class Stop:
 class ReplicaView:
     replica_id: str
     model_name: str
-    # ready, starting, unreachable, unhealthy, failed, timed-out, lost, incomplete, removed,
-    # extra; the shell adds "failed" for a start that never reached its agent.
+    # A ReplicaState value (llmgw/core/_replica.py says what each means); the shell
+    # adds failed for a start that never reached its agent, starting for one pending.
     state: str
     nodes: tuple[str, ...]
     first_seen: float
@@ -101,7 +104,7 @@ class Plan:
     holding: bool = False  # the guard holds (cut off, or its hysteresis): nothing rescheduled
 
 
-ALIVE = ("ready", "starting", "unreachable", "unhealthy")
+ALIVE = ALIVE_REPLICA_STATES
 SETTLE_MAX_FACTOR = 6.0  # the hysteresis never holds longer than this many settle times
 
 
@@ -131,37 +134,40 @@ def _replica_state(
     rank_grace_s: float,
     unhealthy_since: Mapping[str, float],
     unhealthy_replace_s: float,
-) -> tuple[str, str | None]:
+) -> tuple[ReplicaState, str | None]:
     if desired is None:
-        return "removed", "its model left the catalog"
+        return ReplicaState.REMOVED, "its model left the catalog"
     for s in shards:
-        if s.node_state == "lost":
-            return "lost", f"node {s.node_id} is lost"
+        if s.node_state == NodeState.LOST:
+            return ReplicaState.LOST, f"node {s.node_id} is lost"
     for s in shards:
-        if s.state == "failed":
-            return "failed", f"rank {s.rank} on {s.node_id} failed: {s.reason or 'no reason given'}"
+        if s.state == ShardState.FAILED:
+            why = s.reason or "no reason given"
+            return ReplicaState.FAILED, f"rank {s.rank} on {s.node_id} failed: {why}"
     ranks = max(s.ranks for s in shards)
     if len({s.rank for s in shards}) < ranks and now - first_seen > rank_grace_s:
         present = sorted({s.rank for s in shards})
-        return "incomplete", f"only ranks {present} of {ranks} are running"
-    if any(s.node_state == "unreachable" for s in shards):
-        return "unreachable", "a node of it is unreachable; left alone until it is lost"
-    sick = [s for s in shards if s.state == "unhealthy"]
+        return ReplicaState.INCOMPLETE, f"only ranks {present} of {ranks} are running"
+    if any(s.node_state == NodeState.UNREACHABLE for s in shards):
+        why = "a node of it is unreachable; left alone until it is lost"
+        return ReplicaState.UNREACHABLE, why
+    sick = [s for s in shards if s.state == ShardState.UNHEALTHY]
     if sick:
         s = sick[0]
         since = min(unhealthy_since.get(x.shard_id, now) for x in sick)
         what = f"rank {s.rank} on {s.node_id} is unhealthy: {s.reason or 'no reason given'}"
         if now - since > unhealthy_replace_s:
             limit = f"{unhealthy_replace_s:g} s"
-            return "failed", f"{what}; for {now - since:.0f} s, longer than {limit}"
-        return "unhealthy", f"{what}; replaced if it lasts {unhealthy_replace_s:g} s"
-    if all(s.state == "ready" for s in shards) and len(shards) >= ranks:
-        return "ready", None
+            return ReplicaState.FAILED, f"{what}; for {now - since:.0f} s, longer than {limit}"
+        return ReplicaState.UNHEALTHY, f"{what}; replaced if it lasts {unhealthy_replace_s:g} s"
+    if all(s.state == ShardState.READY for s in shards) and len(shards) >= ranks:
+        return ReplicaState.READY, None
     fingerprint = shards[0].fingerprint
     timeout = desired.startup_timeout_s.get(fingerprint or "", None)
     if timeout is not None and now - first_seen > timeout:
-        return "timed-out", f"not ready within its startup timeout of {timeout:g} s"
-    return "starting", None
+        why = f"not ready within its startup timeout of {timeout:g} s"
+        return ReplicaState.TIMED_OUT, why
+    return ReplicaState.STARTING, None
 
 
 def reconcile(
@@ -197,10 +203,10 @@ def reconcile(
     wanted = {d.name: d for d in desired}
     by_replica: dict[str, list[ObservedShard]] = {}
     for s in shards:
-        if s.replica_id is not None and s.state != "stopped":
+        if s.replica_id is not None and s.state != ShardState.STOPPED:
             by_replica.setdefault(s.replica_id, []).append(s)
 
-    away = sum(1 for state in node_states.values() if state != "ready")
+    away = sum(1 for state in node_states.values() if state != NodeState.READY)
     cut_off = bool(node_states) and away * 2 > len(node_states)
     notes: list[str] = []
     holding = cut_off
@@ -226,7 +232,7 @@ def reconcile(
 
     def stop_all(members: Sequence[ObservedShard], why: str) -> None:
         for s in members:
-            if s.node_state == "ready":  # an unreachable agent cannot be told; later
+            if s.node_state == NodeState.READY:  # an unreachable agent cannot be told; later
                 actions.append(Stop(s.node_id, s.shard_id, why))
 
     for replica_id in sorted(by_replica):
@@ -247,23 +253,26 @@ def reconcile(
             draining.setdefault(model_name, []).append(view)
         elif state in ALIVE:
             alive.setdefault(model_name, []).append((replica_id, view))
-        elif state == "lost" and holding:
+        elif state is ReplicaState.LOST and holding:
             alive.setdefault(model_name, []).append((replica_id, view))  # hold on: maybe us
         else:
             stop_all(members, f"replica {replica_id} {state}: {reason}")
         views.append(view)
 
-    order = {"ready": 0, "unreachable": 1, "lost": 1, "starting": 2, "unhealthy": 3}
     for d in desired:
         have = alive.get(d.name, [])
         if len(have) > d.replicas:
             # The least advanced first, then the newest.
-            worst = sorted(have, key=lambda rv: (-order[rv[1].state], -rv[1].first_seen))
+            worst = sorted(
+                have, key=lambda rv: (-BEHIND[ReplicaState(rv[1].state)], -rv[1].first_seen)
+            )
             doomed = {replica_id for replica_id, _ in worst[: len(have) - d.replicas]}
             for replica_id in sorted(doomed):
                 stop_all(by_replica[replica_id], f"{d.name} wants {d.replicas} replicas")
             views = [
-                attrs.evolve(v, state="extra", reason=f"{d.name} wants {d.replicas} replicas")
+                attrs.evolve(
+                    v, state=ReplicaState.EXTRA, reason=f"{d.name} wants {d.replicas} replicas"
+                )
                 if v.replica_id in doomed
                 else v
                 for v in views
@@ -293,8 +302,12 @@ def _apply_drain(
     decided: dict[str, tuple[str, str]] = {}
     for model_name, mine in sorted(draining.items()):
         d = wanted[model_name]  # a live replica's model is in the catalog
-        ready_elsewhere = sum(1 for _, v in alive.get(model_name, []) if v.state == "ready")
-        rows = [DrainingReplica(v.replica_id, v.state == "ready", v.first_seen) for v in mine]
+        ready_elsewhere = sum(
+            1 for _, v in alive.get(model_name, []) if v.state == ReplicaState.READY
+        )
+        rows = [
+            DrainingReplica(v.replica_id, v.state == ReplicaState.READY, v.first_seen) for v in mine
+        ]
         for dec in drain_model(model_name, d.replicas, ready_elsewhere, rows, drain, now,
                                cut_off=cut_off):  # fmt: skip
             decided[dec.replica_id] = (dec.state, dec.reason)

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import trio
 
+from llmgw import core, model
 from llmgw.cp._catalog import Catalog
 from llmgw.cp._registry import NodeRegistry
 from llmgw.errors import LlmgwError
@@ -77,11 +78,11 @@ class FleetEndpoints:
         served: dict[str, list[Endpoint]] = {name: [] for m in catalog.models for name in m.names}
         retiring = self._retiring()
         for rec in self._registry.records():
-            if rec.liveness.state.value == "lost":
+            if rec.liveness.state is core.NodeState.LOST:
                 continue
             for s in rec.shards:
                 m = catalog.model(s.model_name) if s.model_name else None
-                if m is None or s.rank != 0 or s.state != "ready" or s.port is None:
+                if m is None or s.rank != 0 or s.state != model.ShardState.READY or s.port is None:
                     continue
                 if s.replica_id is not None and s.replica_id in retiring:
                     continue

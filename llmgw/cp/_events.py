@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-from llmgw import model
+from llmgw import core, model
 
 # Kinds of event; the admin API and `ctl events` show them as they are.
 SHARD_FAILED = "shard-failed"
@@ -38,8 +38,8 @@ COMMAND_STUCK = "command-stuck"
 
 # Replica states in which the reconciler replaces a replica: a stop for one of
 # these is a failure; a stop because the model left the catalog or has too
-# many replicas is not.
-REPLACED_STATES = frozenset({"failed", "timed-out", "lost", "incomplete", "unhealthy"})
+# many replicas is not (llmgw/core/_replica.py, the `replaced` column).
+REPLACED_STATES = core.REPLACED_REPLICA_STATES
 
 DEFAULT_FAILURE_RETENTION_S = 15 * 60.0
 LAST_LINES = 10  # output lines kept with a failure
@@ -186,7 +186,7 @@ class EventLog:
     def shard_report(self, node_id: str, shard: model.ShardReport) -> Event | None:
         """A shard report from an agent; only `failed` and `unhealthy` are events."""
         key = (node_id, shard.shard_id)
-        if shard.state not in ("failed", "unhealthy"):
+        if shard.state not in (model.ShardState.FAILED, model.ShardState.UNHEALTHY):
             self._shard_seen.pop(key, None)  # recovered or restarted: a new failure is news
             return None
         if self._shard_seen.get(key) == (shard.state, shard.reason):
@@ -195,7 +195,7 @@ class EventLog:
         while len(self._shard_seen) > self._keys:
             self._shard_seen.popitem(last=False)
         reason, lines = split_reason(shard.reason)
-        kind = SHARD_FAILED if shard.state == "failed" else SHARD_UNHEALTHY
+        kind = SHARD_FAILED if shard.state == model.ShardState.FAILED else SHARD_UNHEALTHY
         event = self.record(
             kind,
             f"shard {shard.shard_id} {shard.state}: {reason}",
@@ -256,7 +256,7 @@ class EventLog:
         event = self.record(
             NODE_STATE, f"node {node_id}: {before} -> {after}{why}", node_id=node_id
         )
-        if after == "lost":
+        if after == core.NodeState.LOST:
             for replica_id, model_name, shard_id in replicas:
                 lost = self.record(
                     NODE_STATE,

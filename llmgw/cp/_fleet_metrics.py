@@ -183,7 +183,9 @@ def fleet_families(inp: FleetInput) -> list[Metric]:
         }
         add("llmgw_replica_state", labels, 1)
     if inp.catalog is not None:
-        ready = Counter(r.model_name for r in inp.replicas or () if r.state == "ready")
+        ready = Counter(
+            r.model_name for r in inp.replicas or () if r.state == core.ReplicaState.READY
+        )
         for m in inp.catalog.models:
             add("llmgw_model_desired_replicas", {"model": m.name}, m.replicas)
             if inp.replicas is not None:

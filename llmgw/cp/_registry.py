@@ -474,7 +474,8 @@ class NodeRegistry:
             peer.address,
             len(hello.shards),
         )
-        self.events.node_state(hello.node_id, before, "ready", f"registered from {peer.address}")
+        ready = core.NodeState.READY.value
+        self.events.node_state(hello.node_id, before, ready, f"registered from {peer.address}")
         for shard in hello.shards:  # a failure while it was away is news too
             self.events.shard_report(hello.node_id, shard)
         if self._nursery is not None:
@@ -589,7 +590,7 @@ class NodeRegistry:
         if shard.source is not None and shard.state != model.ShardState.STARTING:
             self._clear_progress(node_id, shard.source)  # the fetch's news ends with it
         others = tuple(s for s in rec.shards if s.shard_id != shard.shard_id)
-        rec.shards = others if shard.state == "stopped" else (*others, shard)
+        rec.shards = others if shard.state == model.ShardState.STOPPED else (*others, shard)
         self._changed()
 
     def on_progress(self, node_id: str, generation: int, msg: model.Progress) -> None:
