@@ -209,3 +209,64 @@ def test_from_ready_unhealthy_exactly_when_the_last_threshold_checks_failed(
     trailing = len(list(itertools.takewhile(lambda ok: not ok, reversed(outcomes))))
     assert (state is UNHEALTHY) == (trailing >= threshold)
     assert state in (READY, UNHEALTHY)
+
+
+# What the supervisor can send in each state: a health check runs only once the
+# shard is launched and while it runs; a launch ends only the starting state; a
+# process can exit only while the shard runs; a stop comes in any state but stopped.
+SENT_IN = {
+    "launched": {STARTING},
+    "pass": {LOADING, READY, UNHEALTHY},
+    "fail": {LOADING, READY, UNHEALTHY},
+    "exit": set(RUNNING),
+    "stop": set(ShardState) - {STOPPED},
+}
+
+
+def classify(op: str, run: HealthRun) -> ShardEvent:
+    """An observation as the supervisor turns it into an event."""
+    if op == "pass":
+        return run.observe(None)
+    if op == "fail":
+        return run.observe("timed out after 5 s")
+    return {"launched": ShardEvent.LAUNCHED, "exit": ShardEvent.EXITED}.get(op, ShardEvent.STOP)
+
+
+def test_every_pair_the_supervisor_can_send_is_in_the_table_and_every_pair_is_reached() -> None:
+    """From each state, every observation the supervisor can make there.
+
+    Exhaustive rather than drawn: the table holds exactly the pairs that can
+    happen, so the supervisor never meets its illegal-transition path, and no
+    row of the table is dead.
+    """
+    threshold = 2
+
+    def walk(ops: list[str], run: HealthRun, state: ShardState = STARTING) -> ShardState:
+        for op in ops:
+            state = next_state(state, classify(op, run))
+        return state
+
+    def adopted() -> HealthRun:  # loading, but ready before the agent restarted
+        return HealthRun(threshold, counting=True)
+
+    starts: list[tuple[ShardState, list[str], HealthRun, ShardState]] = [
+        (STARTING, [], HealthRun(threshold), STARTING),
+        (LOADING, ["launched"], HealthRun(threshold), STARTING),
+        (LOADING, [], adopted(), LOADING),
+        (LOADING, ["fail"], adopted(), LOADING),  # the next failure is the threshold's
+        (READY, ["launched", "pass"], HealthRun(threshold), STARTING),
+        (READY, ["launched", "pass", "fail"], HealthRun(threshold), STARTING),
+        (UNHEALTHY, ["launched", "pass", "fail", "fail"], HealthRun(threshold), STARTING),
+        (FAILED, ["exit"], HealthRun(threshold), STARTING),
+        (STOPPED, ["stop"], HealthRun(threshold), STARTING),
+    ]
+    seen: set[tuple[ShardState, ShardEvent]] = set()
+    for (state, recipe, template, entry), op in itertools.product(starts, SENT_IN):
+        run = HealthRun(template.threshold, template.counting, list(template.failures))
+        assert walk(recipe, run, entry) is state
+        if state not in SENT_IN[op]:
+            continue
+        event = classify(op, run)
+        assert (state, event) in TRANSITIONS, (state, op, event)
+        seen.add((state, event))
+    assert seen == set(TRANSITIONS)
