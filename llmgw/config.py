@@ -26,6 +26,28 @@ from ruamel.yaml.error import YAMLError
 
 from llmgw.errors import ConfigError
 
+__all__ = [
+    "RENAMED_KEYS",
+    "AgentConfig",
+    "Between",
+    "BoundError",
+    "CtlConfig",
+    "FabricDecl",
+    "HostPort",
+    "MirrorConfig",
+    "ServerConfig",
+    "TlsFiles",
+    "between",
+    "check_mirror_dir",
+    "check_tls_files",
+    "load",
+    "positive",
+    "read_yaml",
+    "split_host_port",
+    "structure",
+    "unstructure",
+]
+
 T = TypeVar("T")
 
 HostPort = NewType("HostPort", str)

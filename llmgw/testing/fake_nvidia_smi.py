@@ -56,6 +56,23 @@ import sys
 import zlib
 from pathlib import Path
 
+__all__ = [
+    "APP_FIELDS",
+    "CLASSES",
+    "DRIVER_FAILED",
+    "GPU_FIELDS",
+    "NO_DEVICES",
+    "UNITS",
+    "Card",
+    "cards",
+    "install",
+    "main",
+    "query_apps",
+    "query_gpu",
+    "table",
+    "topo",
+]
+
 # class -> (name, memory.total MiB, compute_cap, NVLinks between two cards or 0)
 CLASSES: dict[str, tuple[str, int, str, int]] = {
     "h100-80g": ("NVIDIA H100 80GB HBM3", 81559, "9.0", 18),

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from llmgw.testing._fake_engine_cli import VERSIONS
 
+__all__ = ["DEFAULT_VERSION", "build_vllm_wheel", "wheel_name"]
+
 DEFAULT_VERSION = VERSIONS["vllm"]  # what the fake's `vllm --version` prints
 
 _CLI = '''\

@@ -14,6 +14,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+__all__ = [
+    "CHAT_TEMPLATE",
+    "N_CTX",
+    "N_EMBD",
+    "N_FF",
+    "N_HEAD",
+    "N_LAYER",
+    "WORDS",
+    "split_names",
+    "write",
+]
+
 N_EMBD = 64
 N_HEAD = 4
 N_LAYER = 2
