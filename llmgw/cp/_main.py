@@ -10,7 +10,6 @@ from functools import partial
 from pathlib import Path
 
 import hypercorn.config
-import hypercorn.trio
 import prometheus_client
 import trio
 
@@ -39,7 +38,7 @@ from llmgw.cp._sizes import SourceSizes
 from llmgw.cp._store import SqlStore, open_store, store_location
 from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
 from llmgw.errors import ConfigError
-from llmgw.router import Router, RouterConfig, listener_limits, serve_http
+from llmgw.router import Router, RouterConfig, listener_limits, serve_http, serve_hypercorn
 from llmgw.rpc import (
     CapnpThread,
     Deadlines,
@@ -298,10 +297,7 @@ async def _serve(
     admin.pages = make_pages(api_client(admin, admin_key), admin_key, mirror_dir=cfg.mirror.dir)
     rpc_host, rpc_port = config.split_host_port(cfg.rpc_listen)
 
-    hc = hypercorn.config.Config()
-    hc.bind = [cfg.admin_listen]
-    hc.accesslog = None
-    hc.graceful_timeout = 1.0
+    hc = admin_http_config(cfg.admin_listen)
 
     deadlines = Deadlines(default_s=cfg.rpc_deadline_s)
     handshake = HandshakeLimits(
@@ -326,7 +322,7 @@ async def _serve(
             registry.mirror_tls = cfg.mirror.tls
         await nursery.start(sizes.run)
         rpc_bound = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, registry)
-        await nursery.start(hypercorn.trio.serve, admin, hc)
+        await nursery.start(serve_hypercorn, admin, hc)
         await nursery.start(router.run)
         if cfg.router_listen is not None:
             # The lean HTTP/1.1 server, not hypercorn: profiled, hypercorn was
@@ -360,6 +356,16 @@ async def _serve(
             leadership.me.describe(),
         )
         task_status.started()
+
+
+def admin_http_config(listen: str) -> hypercorn.config.Config:
+    """hypercorn's settings for the admin listener (pages, JSON API, /metrics)."""
+    hc = hypercorn.config.Config()
+    hc.bind = [listen]
+    hc.accesslog = None
+    hc.graceful_timeout = 1.0
+    # keep_alive_timeout stays hypercorn's 5 s: a browser or ctl reconnects cheaply.
+    return hc
 
 
 async def _start_mirror(

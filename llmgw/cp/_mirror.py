@@ -36,7 +36,9 @@ or a control character once percent-decoded; an absolute-form target is a 400.
 The path is then resolved and must stay under the resolved root, so a symlink
 that leads out is a 404, and the file is opened without following a last
 symlink and without blocking (a FIFO is not a regular file: 404). Only GET and
-HEAD (405 with `Allow`); a request with a body is a 400. The head must fit in
+HEAD (405 with `Allow`); a method with a lowercase letter is no method (400:
+methods are case-sensitive); a request with a body is a 400, and one with a
+transfer coding but chunked a 501 (h11 refuses it). The head must fit in
 `max_head_bytes` (431) and arrive within `head_timeout_s` of its first byte
 (408); an idle connection is closed after `keepalive_s`; every write must
 complete within `send_timeout_s`; beyond `max_connections` a new connection is closed at
@@ -80,7 +82,7 @@ _REASONS = {
     400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
     408: "Request Timeout", 416: "Range Not Satisfiable",
     431: "Request Header Fields Too Large", 500: "Internal Server Error",
-    503: "Service Unavailable",
+    501: "Not Implemented", 503: "Service Unavailable",
 }  # fmt: skip
 
 
@@ -528,6 +530,8 @@ class _Mirror:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
+                if exc.error_status_hint == 501:  # h11: a transfer coding but chunked
+                    return Refusal(501, f"{exc}: no other transfer coding is applied here")
                 return Refusal(exc.error_status_hint, f"the request head is malformed: {exc}")
             if event is h11.NEED_DATA:
                 with trio.move_on_at(deadline) as timer:
@@ -560,6 +564,14 @@ class _Mirror:
             return None  # ConnectionClosed (anything else cannot come before a Request)
 
     def _admit(self, conn: h11.Connection, request: h11.Request) -> h11.Request | Refusal:
+        if request.method != request.method.upper():
+            # h11 takes any token; methods are case-sensitive (RFC 9110 §9.1), and a
+            # lowercase one is no method: 400, as llhttp says on the router's listener.
+            return Refusal(
+                400,
+                f"{request.method.decode('latin-1')} is not a method; methods are "
+                "case-sensitive (GET, not get)",
+            )
         if request.method not in (b"GET", b"HEAD"):
             return Refusal(
                 405,

@@ -5,9 +5,12 @@ background work (`await nursery.start(router.run)`: the load scraper and the
 fleet watch) and the Prometheus registry (`router.metrics_registry`) for the
 admin listener's `/metrics`. `serve_http(router.app, host, port)` is the lean
 HTTP/1.1 server the router listener should run on (see `_server.py` for why
-not hypercorn); `python -m llmgw.router` is router-only mode.
+not hypercorn); `serve_hypercorn(app, config)` is hypercorn as every llmgw
+listener on it runs (`_hypercorn.py`: connections closed when their client
+goes); `python -m llmgw.router` is router-only mode.
 """
 
+from llmgw.router._hypercorn import serve as serve_hypercorn
 from llmgw.router._keys import CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
 from llmgw.router._main import keep_worker, listener_limits, metrics_app
 from llmgw.router._router import (
@@ -41,4 +44,5 @@ __all__ = [
     "listener_limits",
     "metrics_app",
     "serve_http",
+    "serve_hypercorn",
 ]

@@ -11,13 +11,16 @@ request head llhttp parses in ~2-3 µs where h11 takes ~29 µs to parse and
 ~47 µs with the response written; and llhttp already refuses what RFC 9112
 says a server must not guess at: Content-Length together with
 Transfer-Encoding (either order; request smuggling), duplicate or malformed
-Content-Length, obs-fold, bare LF, whitespace before the colon, unknown
-transfer codings. What this module adds: Host required on HTTP/1.1 (RFC 9112
-§3.2), Transfer-Encoding refused on HTTP/1.0 (§6.1), HTTP versions other
-than 1.0 and 1.1 (505), and one head-size limit that does not depend on how
-TCP splits the head: the request line and header lines as parsed, counted
-the same whatever the segmentation (and, against a head that never ends, at
-most twice the limit of raw bytes buffered before 431).
+Content-Length, obs-fold, bare LF, whitespace before the colon, chunked
+before another coding, methods it does not know (a lowercase one among them).
+What this module adds: Host required on HTTP/1.1 (RFC 9112 §3.2),
+Transfer-Encoding refused on HTTP/1.0 (§6.1), a transfer coding other than
+chunked (501, `gzip, chunked` among them: llhttp would frame it as chunked
+and pass the gzip bytes on as the body; 400 where chunked is not last), HTTP
+versions other than 1.0 and 1.1 (505), and one head-size limit that does not
+depend on how TCP splits the head: the request line and header lines as
+parsed, counted the same whatever the segmentation (and, against a head that
+never ends, at most twice the limit of raw bytes buffered before 431).
 """
 
 from __future__ import annotations
@@ -50,6 +53,37 @@ class Failure:
 
 
 Event = Head | bytes | str | Failure
+
+BAD_METHOD = (
+    "the method is not one this server knows; methods are case-sensitive "
+    "(POST, not post: RFC 9110 §9.1)"
+)
+
+
+def transfer_coding_refusal(values: list[bytes]) -> tuple[int, str] | None:
+    """Why a request's Transfer-Encoding values cannot be served, or None for `chunked`.
+
+    RFC 9112: chunked must be the final coding of a request, or its length cannot
+    be known (§6.3: 400); a coding the server does not apply is 501 (§6.1), and
+    chunked is the only one applied here (llhttp would read `gzip, chunked` as
+    plain chunked and hand the app gzip bytes as the body).
+    """
+    codings = [c.strip().lower() for value in values for c in value.split(b",")]
+    codings = [c for c in codings if c]
+    shown = ", ".join(c.decode("latin-1") for c in codings)[:80]
+    if not codings or codings[-1] != b"chunked":
+        return 400, (
+            f"Transfer-Encoding {shown!r} does not end in chunked: the body's length "
+            "cannot be known (RFC 9112 §6.3)"
+        )
+    if b"chunked" in codings[:-1]:
+        return 400, "Transfer-Encoding applies chunked more than once (RFC 9112 §7)"
+    if len(codings) > 1:
+        return 501, (
+            f"Transfer-Encoding {shown!r}: this server applies no transfer coding "
+            "but chunked (RFC 9112 §6.1)"
+        )
+    return None
 
 
 class RequestParser:
@@ -104,6 +138,12 @@ class RequestParser:
             self.failed = Failure(400, "nothing may follow an Upgrade or CONNECT request")
             if self.in_message:  # an upgrade with a body: the body was not parsed
                 self._fail(400, "an Upgrade or CONNECT request with a body is not served")
+            return
+        except httptools.HttpParserInvalidMethodError:
+            # Also what llhttp says of a lowercase method: 400 on every llmgw listener (a
+            # lowercase token is no method; llhttp cannot tell one from garbage, so not 501).
+            if self.failed is None:
+                self._fail(400, BAD_METHOD)
             return
         except httptools.HttpParserError as exc:
             if self.failed is None:
@@ -176,6 +216,13 @@ class RequestParser:
         if te and version == "1.0":
             self._fail(400, "Transfer-Encoding on an HTTP/1.0 request (RFC 9112 §6.1)")
             raise _Stop()
+        if te:
+            refusal = transfer_coding_refusal(
+                [value for name, value in headers if name == b"transfer-encoding"]
+            )
+            if refusal is not None:
+                self._fail(*refusal)
+                raise _Stop()
         url = self._url[0] if len(self._url) == 1 else b"".join(self._url)
         self._headers = []  # trailer fields of a chunked body go here, and are dropped
         self.events.append(

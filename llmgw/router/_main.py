@@ -32,7 +32,6 @@ from urllib.parse import urlsplit
 
 import attrs
 import hypercorn.config
-import hypercorn.trio
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from ruamel.yaml import YAML
@@ -320,7 +319,7 @@ async def serve(
             limits = listener_limits(router_cfg)
             if file_cfg.server == "hypercorn":
                 await nursery.start(
-                    hypercorn.trio.serve,
+                    _hc.serve,
                     _hc.guard(router.app, limits),
                     _hypercorn(file_cfg.listen, router_cfg),
                 )

@@ -14,8 +14,6 @@ from typing import Any
 
 import attrs
 import httpx
-import hypercorn.config
-import hypercorn.trio
 import pytest
 import trio
 
@@ -175,7 +173,7 @@ async def serve_router(
             port = free_port()
             hc = _main._hypercorn(f"127.0.0.1:{port}", router.config)
             hc.graceful_timeout = 0.5
-            await nursery.start(hypercorn.trio.serve, _hypercorn.guard(router.app, limits), hc)
+            await nursery.start(_hypercorn.serve, _hypercorn.guard(router.app, limits), hc)
         else:
             port = await nursery.start(
                 functools.partial(_server.serve, limits=limits), router.app, "127.0.0.1", 0
