@@ -94,8 +94,8 @@ def load_server(
     of the engine archives the mirror then serves without reading them again).
     ConfigError names what is wrong. `check_tls`: whether the TLS files must exist
     (False only to check an example written for another machine)."""
-    cfg = config.load(path, config.ServerConfig)
-    data = _catalog_file.read_data(path)
+    data = _catalog_file.read_data(path)  # read once: the settings, the catalog, the engines
+    cfg = config.structure(data, config.ServerConfig, str(path))
     catalog = CatalogFile(path, _catalog.parse(data, str(path)))
     router_cfg = config.structure(cfg.router, RouterConfig, str(path), at="router")
     if router_cfg.workers > 1 and cfg.router_listen is None:
@@ -191,6 +191,7 @@ async def _serve(
         stop_grace_s=cfg.stop_grace_s,
         drain_timeout_s=cfg.drain_timeout_s,
         unhealthy_replace_s=cfg.unhealthy_replace_s,
+        engine_ports=cfg.engine_ports,
     )
     # Each fetched source's size, for placement's disk check: measured by a task of its
     # own (llmgw/cp/_sizes.py), never inside a pass; a size that changes pokes the reconciler.

@@ -34,8 +34,6 @@ import attrs
 import hypercorn.config
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
-from ruamel.yaml import YAML
-from ruamel.yaml.error import YAMLError
 
 from llmgw import config
 from llmgw._process import run_service, setup_logging
@@ -90,13 +88,7 @@ class RouterFile:
 
 def load(path: Path) -> tuple[RouterFile, RouterConfig, list[Endpoint]]:
     """Read router.yaml; a ConfigError lists every problem with its path."""
-    try:
-        data = YAML(typ="safe", pure=True).load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return parse(data, str(path))
+    return parse(config.read_yaml(path), str(path))
 
 
 def parse(data: Any, source: str) -> tuple[RouterFile, RouterConfig, list[Endpoint]]:
