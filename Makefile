@@ -26,8 +26,11 @@ lint: $(STAMP)
 components:
 	scripts/components
 
+# The test files run in parallel, a file per worker at a time (most of the suite's time
+# is spent waiting on real processes, not on the CPU): PYTEST_WORKERS=0 runs them in one.
+PYTEST_WORKERS ?= 4
 test: lint components
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # The release a node installs from its control plane's mirror (docs/operations.md,
 # "Releases and the mirror"): dist/ holds the wheel, wheelhouse/, constraints.txt,

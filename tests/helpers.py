@@ -359,9 +359,9 @@ def _postgres_bin(name: str) -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from llmgw.testing.cluster import free_port
+
+    return free_port()
 
 
 @contextlib.contextmanager

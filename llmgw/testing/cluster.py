@@ -24,11 +24,47 @@ from llmgw.ctl import init_ca, issue_agent, issue_server
 
 __all__ = ["ControlPlane", "LocalCluster", "Proc", "free_port", "wait_for"]
 
+# Test runs in parallel (pytest-xdist) give each worker its own blocks of ports, below
+# the kernel's ephemeral range (32768-60999 on Linux) so that no worker's client socket
+# takes a port another worker has picked for a server: tests/conftest.py sets
+# LLMGW_TEST_PORTS ("first-last", for free_port) and LLMGW_TEST_ENGINE_PORTS (the
+# engines' range a LocalCluster writes into server.yaml `engine_ports`).
+_next_port: int | None = None
+_STRIDE = 37  # prime to every block size the tests use (2,000): the walk meets every port
+
+
+def _env_range(name: str) -> tuple[int, int] | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    first, _, last = value.partition("-")
+    return int(first), int(last)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free on `host` now: from LLMGW_TEST_PORTS when set, else whatever the
+    kernel picks. The block is walked from a random start per process (so a test's
+    subprocess rarely walks the same ports as its parent) in strides of _STRIDE, never
+    to the next port: a control plane's router workers take the admin port + 1, + 2..."""
+    global _next_port
+    block = _env_range("LLMGW_TEST_PORTS")
+    if block is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return int(s.getsockname()[1])
+    first, last = block
+    size = last - first + 1
+    if _next_port is None:
+        _next_port = first + int.from_bytes(os.urandom(2), "big") % size
+    for _ in range(size):
+        port, _next_port = _next_port, first + (_next_port + _STRIDE - first) % size
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port on {host} in LLMGW_TEST_PORTS {first}-{last}")
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
@@ -187,6 +223,8 @@ class LocalCluster:
         self.more: dict[str, ControlPlane] = {}
         self.router_extra: dict[str, Any] = {}
         self.server_extra: dict[str, Any] = {}  # more server.yaml keys, as they are
+        # server.yaml `engine_ports`; None: the control plane's default.
+        self.engine_ports = _env_range("LLMGW_TEST_ENGINE_PORTS")
         self.heartbeat_interval_s = heartbeat_interval_s
         self.settle_s = settle_s
         self.models: list[dict[str, Any]] = []
@@ -298,6 +336,7 @@ class LocalCluster:
                 "reconcile_interval_s": 0.5,
                 "reconcile_settle_s": self.settle_s,
                 "stop_grace_s": 5.0,
+                **({"engine_ports": list(self.engine_ports)} if self.engine_ports else {}),
                 "tls": {
                     "ca": str(self.pki / "ca.crt"),
                     "cert": str(self.pki / "server.crt"),
