@@ -19,15 +19,14 @@ What h11 accepts and the ASGI app cannot see stays accepted on this listener
 (docs/architecture.md lists it): obs-fold (h11 unfolds it), bare LF line ends,
 a duplicated identical Content-Length (h11 merges it); and h11's head-size
 limit (`h11_max_incomplete_size`) applies to the buffered part of a head, so
-whether a large head passes depends on how TCP splits it. Nor can it bound a
-client that stops reading (hypercorn shields its socket writes from
-cancellation), or close a slow head at `head_timeout_s` (its `read_timeout`
-bounds each read, not the head; a read that waits that long closes the
-connection, without a 408). The lean listener does all of these.
+whether a large head passes depends on how TCP splits it. Nor can it close a
+slow head at `head_timeout_s` (hypercorn's `read_timeout` bounds each read,
+not the head; a read that waits that long closes the connection, without a
+408). The lean listener does all of these.
 
 `serve(app, config)` is `hypercorn.trio.serve` for every llmgw listener on
 hypercorn (the router in hypercorn mode, the control plane's admin API and
-pages), with hypercorn's connection (`TCPServer`) subclassed for three faults
+pages), with hypercorn's connection (`TCPServer`) subclassed for four faults
 of hypercorn 0.18 that no config setting reaches:
 
 - A connection's socket is closed only when all its tasks have ended, and its
@@ -47,6 +46,12 @@ of hypercorn 0.18 that no config setting reaches:
   (bounded; then the socket is closed under it). The answer itself may still
   be cut after its head: h11 has failed the connection, and hypercorn drops
   what is sent after that.
+- hypercorn's writes have no time bound, and are shielded from cancellation
+  (so a cancelled app cannot leave half a frame): a client that stops reading
+  held its request, and the router's admission slot, for as long as it liked.
+  `_Connection._send` keeps the shield and gives it a deadline,
+  `send_timeout_s` (the router's `idle_timeout_s`; 60 s elsewhere): then the
+  connection is closed and the app hears the client has gone.
 - hypercorn upper-cases the method before the app sees it (`post` reaches the
   app as `POST`). `_Connection` gives its HTTP/1.1 protocol an h11 connection
   that refuses a method with a lowercase letter as h11 refuses a malformed
@@ -61,6 +66,7 @@ not the final coding with 501 too, where the lean listener says 400 as RFC 9112
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import partial
 from typing import Any
@@ -68,8 +74,8 @@ from typing import Any
 import h11
 import hypercorn.config
 import trio
+from hypercorn.events import Closed, RawData, Updated
 from hypercorn.events import Event as HypercornEvent
-from hypercorn.events import Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
@@ -79,6 +85,8 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 
 from llmgw.router._http1 import BAD_METHOD
 from llmgw.router._server import Limits
+
+log = logging.getLogger("llmgw.router.hypercorn")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -221,6 +229,10 @@ class _Connection(TCPServer):
 
     _reader_done = False
 
+    def __init__(self, *args: Any, send_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.send_timeout_s = send_timeout_s
+
     async def _read_data(self) -> None:
         protocol = self.protocol.protocol
         if isinstance(protocol, H11Protocol):  # not h2, chosen by ALPN under TLS
@@ -233,6 +245,26 @@ class _Connection(TCPServer):
         # be read on this connection again, so its keep-alive timer holds only the socket.
         self._reader_done = True
         await self.idle_task.stop()
+
+    async def _send(self, data: bytes) -> None:
+        """hypercorn's write (shielded: a cancelled app must not leave half a frame), bounded
+        by `send_timeout_s`: a client that stops reading is then closed, and the app hears
+        it has gone (the router cancels the request and frees its admission slot)."""
+        async with self.send_lock:
+            deadline = trio.current_time() + self.send_timeout_s
+            with trio.CancelScope(shield=True, deadline=deadline) as write:
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    await self.protocol.handle(Closed())
+                    return
+            if write.cancelled_caught:
+                log.info(
+                    "client stopped reading for %g s (send_timeout_s); closing",
+                    self.send_timeout_s,
+                )
+                await self.stream.aclose()
+                await self.protocol.handle(Closed())
 
     async def _close(self) -> None:
         if self.send_lock.statistics().owner is trio.lowlevel.current_task():
@@ -252,6 +284,9 @@ class _Connection(TCPServer):
             await self.stream.aclose()
 
     async def protocol_send(self, event: HypercornEvent) -> None:
+        if isinstance(event, RawData):
+            await self._send(event.data)
+            return
         if isinstance(event, Updated) and event.idle and self._reader_done:
             # A response completed after the reader ended: no next request can come.
             await self.idle_task.stop()
@@ -263,10 +298,13 @@ async def serve(
     app: Any,
     config: hypercorn.config.Config,
     *,
+    send_timeout_s: float = 60.0,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI `app` as `hypercorn.trio.serve(app, config)` does, until cancelled;
     `task_status.started(binds)` with the bound addresses ("http://127.0.0.1:8081").
+    Every write to a client must complete within `send_timeout_s` (hypercorn has no
+    such bound) or the connection is closed.
 
     hypercorn 0.18's `worker_serve` with `_Connection` for its `TCPServer`, and without
     what llmgw does not use (QUIC, statsd, `max_requests`, a shutdown trigger).
@@ -295,7 +333,14 @@ async def serve(
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
             for sock in sockets.quic_sockets:
                 sock.close()  # (only with quic_bind set, which llmgw never sets)
-            handler = partial(_Connection, wrapped, config, context, ConnectionState(state.copy()))
+            handler = partial(
+                _Connection,
+                wrapped,
+                config,
+                context,
+                ConnectionState(state.copy()),
+                send_timeout_s=send_timeout_s,
+            )
             task_status.started(binds)
             try:
                 await trio.serve_listeners(handler, listeners, handler_nursery=server_nursery)

@@ -311,7 +311,7 @@ async def serve(
             limits = listener_limits(router_cfg)
             if file_cfg.server == "hypercorn":
                 await nursery.start(
-                    _hc.serve,
+                    partial(_hc.serve, send_timeout_s=limits.send_timeout_s),
                     _hc.guard(router.app, limits),
                     _hypercorn(file_cfg.listen, router_cfg),
                 )

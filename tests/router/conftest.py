@@ -173,7 +173,11 @@ async def serve_router(
             port = free_port()
             hc = _main._hypercorn(f"127.0.0.1:{port}", router.config)
             hc.graceful_timeout = 0.5
-            await nursery.start(_hypercorn.serve, _hypercorn.guard(router.app, limits), hc)
+            await nursery.start(
+                functools.partial(_hypercorn.serve, send_timeout_s=limits.send_timeout_s),
+                _hypercorn.guard(router.app, limits),
+                hc,
+            )
         else:
             port = await nursery.start(
                 functools.partial(_server.serve, limits=limits), router.app, "127.0.0.1", 0

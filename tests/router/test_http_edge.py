@@ -464,8 +464,8 @@ async def test_a_one_byte_per_second_body_is_cut(server: str) -> None:
     assert 0.9 < took < 2.5, took
 
 
-# Lean only: hypercorn's read_timeout stops reading, but the connection closes only
-# when its keep-alive timer (keep_alive_timeout) ends.
+# Lean only: hypercorn's read_timeout bounds each read, not the head, and ends it
+# without a 408 (a head that stalls closes there, llmgw's connection: see the next test).
 @pytest.mark.parametrize("server", ["lean"])
 async def test_a_slow_head_is_cut(server: str) -> None:
     async with serve_router([], server=server, run=False, client_head_timeout_s=1.0) as r:
@@ -478,9 +478,23 @@ async def test_a_slow_head_is_cut(server: str) -> None:
     assert b"head_timeout_s" in reply
 
 
-# Lean only: hypercorn shields its socket writes from cancellation (trio/tcp_server.py,
-# protocol_send), so no ASGI-level bound can cut a client that stops reading.
-@pytest.mark.parametrize("server", ["lean"])
+async def test_a_stalled_head_on_hypercorn_is_closed_at_its_read_timeout() -> None:
+    """hypercorn's read_timeout ends the read; the connection then closes at once (before
+    llmgw's connection it stayed open until the keep-alive timer), though with no 408."""
+    async with serve_router(
+        [], server="hypercorn", run=False, client_head_timeout_s=1.0, client_keepalive_s=30.0
+    ) as r:
+        start = trio.current_time()
+        reply, closed = await exchange(r.port, b"GET /healthz HTTP/1.1\r\nhost: r\r\n")
+        took = trio.current_time() - start
+    assert closed
+    assert reply == b""
+    assert 0.9 < took < 5, took
+
+
+# On hypercorn through llmgw's connection (llmgw/router/_hypercorn.py): hypercorn shields
+# its socket writes from cancellation, so no ASGI-level bound could cut such a client.
+@SERVERS
 async def test_a_client_that_stops_reading_frees_its_slot(server: str) -> None:
     idle = 1.0
     piece = b"data: " + b"x" * 65536 + b"\n\n"
