@@ -37,6 +37,8 @@ from cryptography.x509.oid import NameOID
 
 from llmgw import config
 from llmgw.ctl import _cert
+from llmgw.ctl._client import api_get, settings
+from llmgw.ctl._tables import format_nodes
 from llmgw.errors import ConfigError, LlmgwError
 
 DEFAULT_PREFIX = "/opt/llmgw"
@@ -171,12 +173,10 @@ class Onboarding:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmgw.ctl import _main  # the admin API's client and the nodes table
-
     ob = Onboarding(args)
     node = args.node
     if args.cp is None:
-        admin_host = urlsplit(_main._settings(args)[0]).hostname or "127.0.0.1"
+        admin_host = urlsplit(settings(args)[0]).hostname or "127.0.0.1"
         args.cp = f"{admin_host}:7070"
     cps = [c for c in args.cp.split(",") if c]
     for c in cps:
@@ -253,8 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"step wait: until {node} is ready in `llmgw ctl nodes` (at most {args.wait_s:g} s)")
         return 0
-    row = _wait_ready(args, node, _main.api_get)
-    print(_main.format_nodes([row], now=time.time()))
+    row = _wait_ready(args, node, api_get)
+    print(format_nodes([row], now=time.time()))
     labels = (row.get("inventory") or {}).get("labels") or []
     print("labels: " + (", ".join(f"{lb['key']}={lb['value']}" for lb in labels) or "-"))
     return 0

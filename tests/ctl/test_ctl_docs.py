@@ -12,7 +12,7 @@ import re
 import pytest
 from helpers import REPO
 
-from llmgw.ctl._main import main
+from llmgw.ctl import main
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MENTION = re.compile(r"llmgw ctl ([a-z][a-z-]*)(?: ([a-z][a-z-]*)\b(?![-.:]))?")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.ctl._main import _table, _with_notes, format_failure
+from llmgw.ctl._tables import format_failure, table, with_notes
 
 FAILURE = {
     "at": 1000.0,
@@ -35,6 +35,6 @@ def test_its_own_failure_and_no_lines() -> None:
 
 
 def test_notes_go_under_their_row() -> None:
-    table = _table(("A", "B"), [("x", "1"), ("y", "2")])
-    out = _with_notes(table, {0: ["  note for x"]}).splitlines()
+    text = table(("A", "B"), [("x", "1"), ("y", "2")])
+    out = with_notes(text, {0: ["  note for x"]}).splitlines()
     assert out == ["A  B", "x  1", "  note for x", "y  2"]

@@ -198,7 +198,9 @@ def test_ctl_weights_lists_and_collect_removes_only_what_is_unwanted(
 
 
 def test_ctl_replicas_and_status_print_the_lines(monkeypatch: Any, capsys: Any) -> None:
-    from llmgw.ctl import _main
+    import httpx
+
+    from llmgw.ctl import main
 
     now = time.time()
     answers = {
@@ -216,18 +218,30 @@ def test_ctl_replicas_and_status_print_the_lines(monkeypatch: Any, capsys: Any) 
         "/api/v1/leader": {"role": "leader", "epoch": 7, "leader": None, "me": None,
                            "lease_s": 10.0},
     }  # fmt: skip
-    monkeypatch.setattr(_main, "api", lambda _args, _method, route, body=None: answers[route])
-    assert _main.main(["replicas"]) == 0
+    asked: list[str] = []
+
+    def request(method: str, url: str, **_: Any) -> httpx.Response:
+        route = url.removeprefix("http://cp:8081")
+        asked.append(route)
+        return httpx.Response(200, json=answers[route], request=httpx.Request(method, url))
+
+    # The answers come through the admin API's client, as from a control plane.
+    monkeypatch.setattr(httpx, "request", request)
+    monkeypatch.setenv("LLMGW_CTL_CONFIG", "/nonexistent/ctl.yaml")
+    monkeypatch.setenv("LLMGW_ADMIN_URL", "http://cp:8081")
+    monkeypatch.setenv("LLMGW_ADMIN_KEY", "k")
+    assert main(["replicas"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[:3] == ["qwen", "qwen-1", "starting"]
     assert lines[2] == "  downloading qwen-7b/ 1.0/2.0 GiB (50 %), 100 MB/s, about 10 s left"
     assert lines[3].split()[:3] == ["tiny", "tiny-1", "starting"] and len(lines) == 4
-    assert _main.main(["status"]) == 0
+    assert main(["status"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("control plane: leader, epoch 7\n")
     assert out.endswith("\nFABRIC     NODES  HOLDS\nno fabric  a      qwen (1.0 GB on 1 node)\n")
     # --path belongs to --collect and --node: refused before anything is asked.
-    assert _main.main(["weights", "--collect", "--path", "/x"]) == 1
+    assert main(["weights", "--collect", "--path", "/x"]) == 1
     assert "--path needs --node" in capsys.readouterr().err
-    assert _main.main(["weights", "--dry-run"]) == 1
+    assert main(["weights", "--dry-run"]) == 1
     assert "go with --collect" in capsys.readouterr().err
+    assert asked == ["/api/v1/replicas", "/api/v1/status", "/api/v1/leader"]

@@ -9,7 +9,7 @@ from helpers import register
 from llmgw import core, model
 from llmgw.cp._admin import AdminApp
 from llmgw.cp._registry import NodeRegistry
-from llmgw.ctl._main import _engines, format_nodes
+from llmgw.ctl._tables import format_engines, format_nodes
 
 AVX2 = "CPU without AVX2: llama-server's CPU builds need it"
 
@@ -66,15 +66,15 @@ async def test_the_admin_json_carries_found_and_pending_and_the_table_reads_them
 
 
 def test_the_engines_cell() -> None:
-    assert _engines(None) == "-"
-    assert _engines({"found": [], "pending": []}) == "none"
-    assert _engines({"found": [], "pending": [
+    assert format_engines(None) == "-"
+    assert format_engines({"found": [], "pending": []}) == "none"
+    assert format_engines({"found": [], "pending": [
         {"name": "sglang", "state": "failed", "detail": "no matching distribution for "
          "sglang==0.4.9 (50 %)", "version": "0.4.9"},
         {"name": "llama-server", "state": "waiting", "detail": "for another apt-get to finish",
          "version": "b6123"},
     ]}) == "llama-server b6123 waiting, sglang 0.4.9 failed"  # fmt: skip
-    assert _engines({"found": [
+    assert format_engines({"found": [
         {"name": "llama-server", "path": "/x", "version": None, "state": "installed"},
     ], "pending": [
         {"name": "vllm", "state": "installing", "detail": "creating the virtualenv",
