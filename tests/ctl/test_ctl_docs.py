@@ -15,7 +15,14 @@ from helpers import REPO
 from llmgw.ctl import main
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-MENTION = re.compile(r"llmgw ctl ([a-z][a-z-]*)(?: ([a-z][a-z-]*)\b(?![-.:]))?")
+# Any run of whitespace between the words: a mention wrapped over a line break
+# (`llmgw ctl\n  node-logs`) is a mention too.
+MENTION = re.compile(r"llmgw\s+ctl\s+([a-z][a-z-]*)(?:[ \t]*\n?[ \t]*\b([a-z][a-z-]*)\b(?![-.:]))?")
+
+
+def test_a_mention_wrapped_over_a_line_break_is_read() -> None:
+    text = "The agent keeps its own ring (`llmgw ctl\n  node-logs`); see `llmgw\nctl nodes\n  forget`."
+    assert MENTION.findall(text) == [("node-logs", ""), ("nodes", "forget")]
 
 
 def choices(argv: list[str], capsys: pytest.CaptureFixture[str]) -> set[str]:
