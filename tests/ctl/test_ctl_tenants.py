@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from llmgw.cp._store import open_store
+from llmgw.ctl._accounts import parse_duration, parse_expires
 from llmgw.ctl._client import CtlError
-from llmgw.ctl._main import parse_duration, parse_expires
 from llmgw.keys import UsageRow
 from llmgw.testing.cluster import LocalCluster
 
