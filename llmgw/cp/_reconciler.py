@@ -49,6 +49,7 @@ from llmgw.core import (
 from llmgw.cp._catalog import Catalog, CatalogModel, Profile, engine_profile, fingerprint
 from llmgw.cp._registry import NodeRecord, NodeRegistry
 from llmgw.cp._shards import PORTS, free_port, ports_taken, to_shard_spec
+from llmgw.cp._sizes import Measuring
 from llmgw.errors import ConfigError, DeadlineExceeded, LlmgwError, StaleEpoch
 
 log = logging.getLogger("llmgw.cp.reconciler")
@@ -86,12 +87,13 @@ class Reconciler:
         unhealthy_replace_s: float = 30.0,
         engine_ports: tuple[int, int] = PORTS,
         clock: Callable[[], float] = trio.current_time,
-        sizes: Callable[[str], int | None] | None = None,
+        sizes: Callable[[str], int | Measuring | None] | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
-        # A catalog source's size in bytes, None when unknown (llmgw/cp/_sizes.py);
-        # None here: nothing knows sizes, so placement never refuses for disk.
+        # A catalog source's size in bytes, None when unknown, MEASURING before its
+        # first measurement (llmgw/cp/_sizes.py); None here: nothing knows sizes, so
+        # placement never refuses for disk.
         self.sizes = sizes
         self.interval_s = interval_s
         self.settle_s = settle_s
@@ -462,11 +464,20 @@ class Reconciler:
         return Unplaced(m.name, tuple(reasons))
 
     def _weights_bytes(self, source: str) -> int | None:
-        return self.sizes(source) if self.sizes is not None else None
+        got = self.sizes(source) if self.sizes is not None else None
+        return None if isinstance(got, Measuring) else got
+
+    def _measuring(self, m: CatalogModel) -> bool:
+        return self.sizes is not None and isinstance(self.sizes(m.source), Measuring)
 
     def _start_soon(self, m: CatalogModel, placer: core.Placer) -> None:
         """Place one replica now (synchronously, so the pass's next placement sees its
         cards taken) and send its start in a task of its own."""
+        if self._measuring(m):
+            # Its size comes within the size task's deadline, and that round pokes us:
+            # placing now could start a fetch onto a disk that cannot hold it.
+            log.debug("placing %s waits for the size of %s", m.name, m.source)
+            return
         found = self.try_place(m, placer)
         if isinstance(found, Unplaced):
             if self._unplaced.get(m.name) != found:

@@ -20,7 +20,12 @@ a disk read alike); redirects are not followed (the agent's fetcher does not
 follow them either).
 
 A size that cannot be learned is unknown (None), never 0: placement never
-refuses on it. Why is logged once per source per distinct reason.
+refuses on it. Why is logged once per source per distinct reason. A source
+not yet measured at all (the catalog just named it, or the control plane just
+started) is `MEASURING`: the reconciler places nothing for it until the round
+that measures it ends, and that round pokes the reconciler, so a model whose
+weights no node has room for is never started (and fetched) in the moment
+before its size is known.
 """
 
 from __future__ import annotations
@@ -46,6 +51,16 @@ REFRESH_S = 60.0
 MAX_MANIFEST_BYTES = 1 << 20  # as the agent's fetcher
 MAX_MANIFEST_FILES = 4096
 MAX_CONCURRENT = 8
+
+
+class Measuring:
+    """The size of a source the task has not measured yet (`MEASURING`)."""
+
+    def __repr__(self) -> str:
+        return "MEASURING"
+
+
+MEASURING = Measuring()
 
 
 @attrs.frozen
@@ -141,7 +156,8 @@ def _http_error(exc: BaseException) -> str:
 
 class SourceSizes:
     """The sizes of the catalog's fetched sources, kept current; `sizes(source)` is
-    the size in bytes or None (unknown, or not fetched: a local path, a hub id)."""
+    the size in bytes, None (unknown, or not fetched: a local path, a hub id), or
+    `MEASURING` (fetched, and no round has measured it yet)."""
 
     def __init__(
         self,
@@ -164,12 +180,17 @@ class SourceSizes:
         self._max_manifest = (max_manifest_bytes, max_manifest_files)
         self._ssl = ssl_context
         self._sizes: dict[str, int] = {}
+        self._measured: frozenset[str] = frozenset()  # what the last round measured
         self._logged: dict[str, set[str]] = {}  # source -> reasons already logged
         self._wake = trio.Event()
         self._refreshes = 0
 
-    def __call__(self, source: str) -> int | None:
-        return self._sizes.get(source)
+    def __call__(self, source: str) -> int | Measuring | None:
+        if source in self._sizes:
+            return self._sizes[source]
+        if source not in self._measured and _fetched(source):
+            return MEASURING
+        return None
 
     def __repr__(self) -> str:
         return f"<SourceSizes known={len(self._sizes)} refreshes={self._refreshes}>"
@@ -223,7 +244,9 @@ class SourceSizes:
             for source in wanted:
                 nursery.start_soon(one, source)
         before = dict(self._sizes)
+        newly = set(results) - self._measured
         self._sizes = {s: v for s, v in results.items() if isinstance(v, int)}
+        self._measured = frozenset(results)
         self._logged = {s: r for s, r in self._logged.items() if s in results}
         for source, got in sorted(results.items()):
             if isinstance(got, Unknown):
@@ -235,7 +258,9 @@ class SourceSizes:
             elif before.get(source) != got:
                 log.info("%s: %d bytes", source, got)
         self._refreshes += 1
-        if self._sizes != before and self.on_change is not None:
+        # A new size, or a source measured for the first time (even as unknown): the
+        # reconciler may now place what waited for it.
+        if (self._sizes != before or newly) and self.on_change is not None:
             self.on_change()
 
     async def measure(self, client: httpx.AsyncClient, source: str) -> int | Unknown:

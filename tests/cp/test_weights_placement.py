@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from helpers import register
 
 from llmgw import core, model
 from llmgw.cp._catalog import Catalog, parse
 from llmgw.cp._reconciler import Reconciler, Unplaced, node_facts, placement_profile, weights_key
 from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._sizes import MEASURING, SourceSizes
 from llmgw.testing import fake_engine
 from llmgw.testing.cluster import LocalCluster, wait_for
 
@@ -178,6 +180,57 @@ async def test_the_reconciler_refuses_short_disks_and_places_on_the_holder() -> 
     placed = reconciler.try_place(m)
     assert not isinstance(placed, Unplaced), placed
     assert placed[1].node_ids == ("b",)
+
+
+class StartingAgent:
+    """An agent's capability that records every start it is sent (and answers none)."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.started: list[model.ShardSpec] = []
+
+    async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
+        self.started.append(spec)
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    def release(self) -> None:
+        pass
+
+
+async def test_nothing_is_started_before_its_size_is_measured(tmp_path: Path) -> None:
+    """The catalog names a source the size task has not measured yet: no pass places it
+    (a start would fetch 8 TiB onto a 12 GB disk); the round that measures it pokes the
+    reconciler, which then refuses it for disk, having started nothing."""
+    sparse(tmp_path / "mirror" / "huge.gguf", HUGE)
+    registry = NodeRegistry(core.LivenessPolicy())
+    reconciler = Reconciler(registry, lambda: catalog(MIRROR), interval_s=0.05, settle_s=0)
+    sizes = SourceSizes(lambda: [MIRROR], tmp_path / "mirror", on_change=reconciler.poke)
+    reconciler.sizes = sizes
+    agent = StartingAgent("a")
+    filesystems = (fs("/", ("/a/w",), 12),)
+    await register(registry, "a", agent=agent,  # type: ignore[arg-type]
+                   inventory=inventory("a", weights_dir="/a/w", filesystems=filesystems))  # fmt: skip
+    assert sizes(MIRROR) is MEASURING
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await nursery.start(reconciler.run)
+        passes = reconciler.statistics()["passes"]
+        with trio.fail_after(30):
+            while reconciler.statistics()["passes"] < passes + 5:
+                await trio.sleep(0.05)
+        assert agent.started == [] and reconciler.unplaced() == []
+        async with sizes.client() as client:
+            await sizes.refresh(client)
+        assert sizes(MIRROR) == HUGE
+        with trio.fail_after(30):
+            while not reconciler.unplaced():
+                await trio.sleep(0.05)
+        assert reconciler.unplaced() == [
+            Unplaced("big", ("a: has 12 GB free on /a/w, needs 8192",))
+        ]
+        assert agent.started == []
+        nursery.cancel_scope.cancel()
 
 
 # --- through the real service path ---------------------------------------------------------
