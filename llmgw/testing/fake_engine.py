@@ -147,15 +147,12 @@ SIGTERM or SIGINT stops it at once with status 0.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
 import time
-import traceback
 import uuid
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 from pathlib import Path
 from typing import Literal
 
@@ -164,6 +161,7 @@ import trio
 
 from llmgw._process import run_service
 from llmgw.errors import UsageError
+from llmgw.testing import _fake_engine_console as console
 from llmgw.testing._fake_engine_cli import (
     Behaviour,
     Engine,
@@ -173,6 +171,8 @@ from llmgw.testing._fake_engine_cli import (
     parse_command_line,
     read_behaviour,
 )
+from llmgw.testing._fake_engine_faults import Faults, crash_lines, injected_failure
+from llmgw.testing._fake_engine_http import MAX_BODY, Exchange, Gone, serve_connection
 from llmgw.testing._fake_engine_wire import (
     EmbedRequest,
     EngineState,
@@ -197,72 +197,26 @@ from llmgw.testing._fake_engine_wire import (
 
 __all__ = ["EngineState", "FakeEngine", "crash_lines", "install", "main"]
 
-_READ_SIZE = 65536
-_MAX_BODY = 32 * 1024 * 1024
-# Bytes a client may pipeline behind a request still being answered before we stop reading.
-_MAX_PIPELINED = 1024 * 1024
-_BODY_TIMEOUT = 60.0
-_REASONS = {int(s): s.phrase.encode() for s in HTTPStatus}
 _SERVER_HEADER = {"vllm": b"uvicorn", "sglang": b"uvicorn", "llama-server": b"llama.cpp"}
-
-
-def _say(line: str) -> None:
-    print(line, flush=True)
-
-
-def _stamp(engine: Engine) -> str:
-    now = time.localtime()
-    if engine == "vllm":
-        return time.strftime("INFO %m-%d %H:%M:%S", now)
-    return time.strftime("[%Y-%m-%d %H:%M:%S]", now)
-
-
-def crash_lines(engine: Engine, last: str | None) -> list[str]:
-    """What the engine prints to stderr as it dies; the last line is the one operators see."""
-    if engine == "llama-server":
-        lines = [
-            "CUDA error: an illegal memory access was encountered",
-            "  current device: 0, in function ggml_backend_cuda_synchronize at "
-            "/app/ggml/src/ggml-cuda/ggml-cuda.cu:2484",
-            "  cudaStreamSynchronize(cuda_ctx->stream())",
-            "/app/ggml/src/ggml-cuda/ggml-cuda.cu:75: CUDA error",
-        ]
-    else:
-        where = "[core.py:700]" if engine == "vllm" else "Scheduler hit an exception:"
-        prefix = time.strftime("ERROR %m-%d %H:%M:%S ", time.localtime())
-        lines = [
-            f"{prefix}{where} EngineCore encountered a fatal error.",
-            "Traceback (most recent call last):",
-            '  File "/usr/local/lib/python3.12/dist-packages/torch/cuda/__init__.py", line 1014, '
-            "in synchronize",
-            "    return torch._C._cuda_synchronize()",
-            "RuntimeError: CUDA error: an illegal memory access was encountered",
-        ]
-    if last:
-        lines[-1] = last
-    return lines
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-class _Gone(Exception):
-    """The client closed its connection, or sent nothing for too long."""
+_Endpoint = Callable[[Exchange, bytes], Awaitable[None]]
 
 
 class FakeEngine:
-    """One fake engine: its listening socket, its load, and its timers."""
+    """One fake engine: its listening socket, its routes, its load and its timers.
+
+    The load is `state` (`_fake_engine_wire`), the injected faults `faults`
+    (`_fake_engine_faults`), the connections `_fake_engine_http`, the stdout
+    lines `_fake_engine_console`; this class routes requests and generates.
+    """
 
     def __init__(self, config: FakeConfig, behaviour: Behaviour) -> None:
         self.config = config
         self.behaviour = behaviour
         self.state = EngineState(config.slots, behaviour.kv_tokens, behaviour.prefix_cache_tokens)
+        self.faults = Faults(config.engine, behaviour)
         self._slots = trio.Semaphore(config.slots)
         self._created = int(time.time())
-        self._server = _SERVER_HEADER[config.engine]
-        self.health_hangs = behaviour.health_hang_after == 0
-        self._routes: dict[str, tuple[bytes, Callable[..., Awaitable[None]]]] = {
+        self._routes: dict[str, tuple[bytes, _Endpoint]] = {
             "/health": (b"GET", self._health),
             "/v1/models": (b"GET", self._models),
             "/metrics": (b"GET", self._metrics),
@@ -281,7 +235,7 @@ class FakeEngine:
 
     def __repr__(self) -> str:
         c = self.config
-        where = _url(c.host, c.port)
+        where = console.url(c.host, c.port)
         return f"<FakeEngine {c.engine} {c.served_names[0]!r} on {where} {self.state!r}>"
 
     # --- lifetime -------------------------------------------------------------------------
@@ -289,7 +243,7 @@ class FakeEngine:
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen, announce, load, serve until cancelled; `task_status.started(port)`."""
         c = self.config
-        self._announce_start()
+        console.announce_start(c)
         try:
             listeners = await trio.open_tcp_listeners(c.port, host=c.host, backlog=1024)
         except OSError as exc:
@@ -306,250 +260,80 @@ class FakeEngine:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(trio.serve_listeners, self._connection, listeners)
-                self._announce_listening(port)
+                console.announce_listening(c, port)
                 task_status.started(port)
                 nursery.start_soon(self._load)
-                if self.behaviour.crash_after is not None:
-                    nursery.start_soon(self._crash)
-                if self.behaviour.health_hang_after:
-                    nursery.start_soon(self._hang_health_later)
+                self.faults.start(nursery)
                 if self.behaviour.log_every is not None:
-                    nursery.start_soon(self._log_stats)
+                    nursery.start_soon(console.log_stats, c, self.state, self.behaviour.log_every)
         finally:
-            if c.engine != "llama-server":
-                _say("INFO:     Shutting down")
-
-    def _announce_start(self) -> None:
-        c = self.config
-        if c.engine == "vllm":
-            _say(f"{_stamp('vllm')} [api_server.py:1805] vLLM API server version {c.version}")
-            _say(f"{_stamp('vllm')} [utils.py:326] non-default args: {{'model': {c.model!r}}}")
-        elif c.engine == "sglang":
-            _say(
-                f"{_stamp('sglang')} server_args=ServerArgs(model_path={c.model!r}, "
-                f"host={c.host!r}, port={c.port})"
-            )
-        else:
-            _say(f"build: {c.version} (1a2b3c4d) with cc (GCC) 13.3.0 for x86_64-linux-gnu")
-            _say(f"main: loading model from '{c.model}'")
-
-    def _announce_listening(self, port: int) -> None:
-        url = _url(self.config.host, port)
-        if self.config.engine == "llama-server":
-            _say(f"main: server is listening on {url} - starting the main loop")
-        else:
-            _say(f"INFO:     Uvicorn running on {url} (Press CTRL+C to quit)")
+            console.announce_shutdown(c.engine)
 
     async def _load(self) -> None:
         if self.behaviour.load_delay:
             await trio.sleep(self.behaviour.load_delay)
         self.state.ready = True
-        engine = self.config.engine
-        if engine == "vllm":
-            _say("INFO:     Application startup complete.")
-        elif engine == "sglang":
-            _say(f"{_stamp('sglang')} The server is fired up and ready to roll!")
-        else:
-            _say("main: model loaded")
-
-    async def _hang_health_later(self) -> None:
-        assert self.behaviour.health_hang_after is not None
-        await trio.sleep(self.behaviour.health_hang_after)
-        self.health_hangs = True
-
-    async def _crash(self) -> None:
-        assert self.behaviour.crash_after is not None
-        await trio.sleep(self.behaviour.crash_after)
-        sys.stdout.flush()
-        for line in crash_lines(self.config.engine, self.behaviour.crash_message):
-            print(line, file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(1)  # an engine that dies does not unwind politely
-
-    async def _log_stats(self) -> None:
-        every = self.behaviour.log_every
-        assert every is not None
-        st = self.state
-        prompt, gen = st.prompt_tokens_total, st.generation_tokens_total
-        while True:
-            await trio.sleep(every)
-            dp, dg = st.prompt_tokens_total - prompt, st.generation_tokens_total - gen
-            prompt, gen = st.prompt_tokens_total, st.generation_tokens_total
-            running, waiting = len(st.running), st.waiting
-            engine = self.config.engine
-            hit_rate = st.prefix.hits / st.prefix.queries if st.prefix and st.prefix.queries else 0
-            if engine == "vllm":
-                _say(
-                    f"{_stamp('vllm')} [loggers.py:123] Engine 000: Avg prompt throughput: "
-                    f"{dp / every:.1f} tokens/s, Avg generation throughput: {dg / every:.1f} "
-                    f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache "
-                    f"usage: {st.kv_usage() * 100:.1f}%, Prefix cache hit rate: "
-                    f"{hit_rate * 100:.1f}%"
-                )
-            elif engine == "sglang":
-                _say(
-                    f"{_stamp('sglang')} Decode batch. #running-req: {running}, #token: "
-                    f"{st.kv_used_tokens()}, token usage: {st.kv_usage():.2f}, gen throughput "
-                    f"(token/s): {dg / every:.2f}, #queue-req: {waiting}"
-                )
-            elif running or waiting:
-                _say(
-                    f"srv  update_slots: {running} of {self.config.slots} slots processing, "
-                    f"{waiting} deferred"
-                )
-            else:
-                _say("srv  update_slots: all slots are idle")
+        console.announce_loaded(self.config.engine)
 
     # --- HTTP -----------------------------------------------------------------------------
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        conn = h11.Connection(h11.SERVER)
-        try:
-            while True:
-                head = await self._next(conn, stream, self.behaviour.keepalive)
-                if not isinstance(head, h11.Request):
-                    return
-                body = await self._body(conn, stream)
-                if body is None:
-                    await self._send(
-                        conn,
-                        stream,
-                        error(self.config.engine, 400, f"request body over {_MAX_BODY} bytes"),
-                    )
-                    return
-                await self._dispatch(conn, stream, head, body)
-                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                    return
-                conn.start_next_cycle()
-        except (_Gone, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        except h11.RemoteProtocolError as exc:
-            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                reply = Reply(
-                    exc.error_status_hint, f"Invalid HTTP request: {exc}".encode(), "text/plain"
-                )
-                with trio.move_on_after(1):
-                    await self._send(conn, stream, reply)
-        except Exception:
-            print("ERROR:    Exception in ASGI application", file=sys.stderr)
-            traceback.print_exc()
-            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                with trio.move_on_after(1):
-                    await self._send(
-                        conn, stream, Reply(500, b"Internal Server Error", "text/plain")
-                    )
-        finally:
-            await trio.aclose_forcefully(stream)
-
-    async def _next(
-        self, conn: h11.Connection, stream: trio.SocketStream, timeout: float
-    ) -> object:
-        """The next h11 event (or PAUSED); _Gone when the peer closes between requests."""
-        while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            data = b""
-            with trio.move_on_after(timeout):
-                data = await stream.receive_some(_READ_SIZE)
-            if not data and conn.their_state is h11.IDLE:
-                raise _Gone()  # closed or idle between requests: nothing to answer
-            conn.receive_data(data)
-
-    async def _body(self, conn: h11.Connection, stream: trio.SocketStream) -> bytes | None:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            event = await self._next(conn, stream, _BODY_TIMEOUT)
-            if isinstance(event, h11.Data):
-                size += len(event.data)
-                if size > _MAX_BODY:
-                    return None
-                chunks.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                return b"".join(chunks)
-            else:
-                raise _Gone()
-
-    def _headers(self, content_type: str, length: int | None) -> list[tuple[bytes, bytes]]:
-        headers = [(b"server", self._server), (b"content-type", content_type.encode())]
-        if length is not None:
-            headers.append((b"content-length", str(length).encode()))
-        return headers
-
-    async def _send(self, conn: h11.Connection, stream: trio.SocketStream, reply: Reply) -> None:
-        head = h11.Response(
-            status_code=reply.status,
-            headers=self._headers(reply.content_type, len(reply.body)),
-            reason=_REASONS.get(reply.status, b""),
+        engine = self.config.engine
+        await serve_connection(
+            stream,
+            self._dispatch,
+            server=_SERVER_HEADER[engine],
+            keepalive=self.behaviour.keepalive,
+            too_large=error(engine, 400, f"request body over {MAX_BODY} bytes"),
         )
-        out = conn.send(head)
-        if reply.body:
-            out += conn.send(h11.Data(data=reply.body))
-        await stream.send_all(out + conn.send(h11.EndOfMessage()))
 
-    async def _dispatch(
-        self, conn: h11.Connection, stream: trio.SocketStream, req: h11.Request, body: bytes
-    ) -> None:
+    async def _dispatch(self, ex: Exchange, req: h11.Request, body: bytes) -> None:
         path = bytes(req.target).split(b"?", 1)[0].decode("latin-1")
         route = self._routes.get(path)
         if route is None:
-            await self._send(conn, stream, not_found(self.config.engine))
+            await ex.send(not_found(self.config.engine))
             return
         method, handler = route
         if req.method != method:
-            await self._send(conn, stream, Reply(405, b'{"detail":"Method Not Allowed"}'))
+            await ex.send(Reply(405, b'{"detail":"Method Not Allowed"}'))
             return
         key = self.config.api_key
         if key is not None and path.startswith("/v1/"):
             auth = dict(req.headers).get(b"authorization", b"")
             if auth != f"Bearer {key}".encode():
-                await self._send(conn, stream, unauthorized(self.config.engine))
+                await ex.send(unauthorized(self.config.engine))
                 return
-        await handler(conn, stream, body)
+        await handler(ex, body)
 
     # --- endpoints ------------------------------------------------------------------------
 
-    async def _health(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
+    async def _health(self, ex: Exchange, _: bytes) -> None:
         engine = self.config.engine
         # Hung: the request was read, nothing is ever answered; the task ends
         # when the client gives up and closes.
-        if self.health_hangs and await self._watching(conn, stream, trio.sleep_forever):
-            raise _Gone()
+        if self.faults.health_hangs and await ex.watching(trio.sleep_forever):
+            raise Gone()
         if not self.state.ready:
             reply = loading(engine)
         elif engine == "llama-server":
             reply = Reply(200, b'{"status":"ok"}')
         else:
             reply = Reply(200, b"")
-        await self._send(conn, stream, reply)
+        await ex.send(reply)
 
-    async def _fake_health(
-        self, conn: h11.Connection, stream: trio.SocketStream, body: bytes
-    ) -> None:
-        try:
-            hang = json.loads(body or b"{}").get("hang")
-        except (ValueError, AttributeError):
-            hang = None
-        if not isinstance(hang, bool):
-            message = 'the body must be {"hang": true} or {"hang": false}'
-            reply = error(self.config.engine, 400, message)
-        else:
-            self.health_hangs = hang
-            reply = Reply(200, dumps({"hang": hang}))
-        await self._send(conn, stream, reply)
+    async def _fake_health(self, ex: Exchange, body: bytes) -> None:
+        await ex.send(self.faults.switch_health(body))
 
-    async def _models(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
-        body = models_response(self.config, self.state.ready, self._created)
-        await self._send(conn, stream, Reply(200, body))
+    async def _models(self, ex: Exchange, _: bytes) -> None:
+        await ex.send(Reply(200, models_response(self.config, self.state.ready, self._created)))
 
-    async def _version(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
-        await self._send(conn, stream, Reply(200, dumps({"version": self.config.version})))
+    async def _version(self, ex: Exchange, _: bytes) -> None:
+        await ex.send(Reply(200, dumps({"version": self.config.version})))
 
-    async def _stats(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
-        await self._send(conn, stream, Reply(200, dumps(self.state.statistics())))
+    async def _stats(self, ex: Exchange, _: bytes) -> None:
+        await ex.send(Reply(200, dumps(self.state.statistics())))
 
-    async def _metrics(self, conn: h11.Connection, stream: trio.SocketStream, _: bytes) -> None:
+    async def _metrics(self, ex: Exchange, _: bytes) -> None:
         engine = self.config.engine
         if self.config.metrics_enabled:
             text = metrics_text(self.config, self.state).encode()
@@ -562,11 +346,9 @@ class FakeEngine:
             )
         else:
             reply = not_found(engine)
-        await self._send(conn, stream, reply)
+        await ex.send(reply)
 
-    async def _slots_endpoint(
-        self, conn: h11.Connection, stream: trio.SocketStream, _: bytes
-    ) -> None:
+    async def _slots_endpoint(self, ex: Exchange, _: bytes) -> None:
         engine = self.config.engine
         if not self.config.slots_endpoint:
             reply = error(
@@ -574,27 +356,19 @@ class FakeEngine:
             )
         else:
             reply = Reply(200, slots_response(self.config, self.state, self.behaviour.tokens))
-        await self._send(conn, stream, reply)
+        await ex.send(reply)
 
-    async def _chat(self, conn: h11.Connection, stream: trio.SocketStream, body: bytes) -> None:
-        await self._inference(conn, stream, body, "chat")
+    async def _chat(self, ex: Exchange, body: bytes) -> None:
+        await self._inference(ex, body, "chat")
 
-    async def _completions(
-        self, conn: h11.Connection, stream: trio.SocketStream, body: bytes
-    ) -> None:
-        await self._inference(conn, stream, body, "completion")
+    async def _completions(self, ex: Exchange, body: bytes) -> None:
+        await self._inference(ex, body, "completion")
 
-    async def _embeddings(
-        self, conn: h11.Connection, stream: trio.SocketStream, body: bytes
-    ) -> None:
-        await self._inference(conn, stream, body, "embedding")
+    async def _embeddings(self, ex: Exchange, body: bytes) -> None:
+        await self._inference(ex, body, "embedding")
 
     async def _inference(
-        self,
-        conn: h11.Connection,
-        stream: trio.SocketStream,
-        body: bytes,
-        kind: Literal["chat", "completion", "embedding"],
+        self, ex: Exchange, body: bytes, kind: Literal["chat", "completion", "embedding"]
     ) -> None:
         st = self.state
         engine = self.config.engine
@@ -603,7 +377,7 @@ class FakeEngine:
         try:
             if not st.ready:
                 outcome = "failed"
-                await self._send(conn, stream, loading(engine))
+                await ex.send(loading(engine))
                 return
             parsed: GenRequest | EmbedRequest | Reply
             if kind == "embedding":
@@ -618,78 +392,34 @@ class FakeEngine:
                 )
             if isinstance(parsed, Reply):
                 outcome = "failed"
-                await self._send(conn, stream, parsed)
+                await ex.send(parsed)
                 return
             if st.should_fail(self.behaviour.fail_rate):
                 outcome = "failed"
-                message = (
-                    "EngineCore encountered an issue. See stack trace (above) for the root cause."
-                    if engine != "llama-server"
-                    else "fake engine: LLMGW_FAKE_FAIL_RATE chose this request to fail"
-                )
-                await self._send(conn, stream, error(engine, 500, message))
+                await ex.send(injected_failure(engine))
                 return
             if isinstance(parsed, EmbedRequest):
                 reply = Reply(200, embeddings_response(parsed, self.behaviour.embed_dim))
                 outcome = "completed"
-                await self._send(conn, stream, reply)
+                await ex.send(reply)
                 return
             generated: list[bool] = []
             gen = parsed
 
             async def work() -> None:
-                await self._generate(conn, stream, gen, generated)
+                await self._generate(ex, gen, generated)
 
-            gone = await self._watching(conn, stream, work)
+            gone = await ex.watching(work)
             # Generated to the end is completed, even if the last bytes found the client gone.
             outcome = "completed" if generated else "cancelled"
             if gone:
-                raise _Gone()
+                raise Gone()
         finally:
             st.finish(outcome)
 
     # --- generation -----------------------------------------------------------------------
 
-    async def _watching(
-        self,
-        conn: h11.Connection,
-        stream: trio.SocketStream,
-        work: Callable[[], Awaitable[None]],
-    ) -> bool:
-        """Run `work` while reading the socket; cancel it if the client goes away.
-
-        Returns whether the client went away. Bytes it pipelines meanwhile go to
-        h11, which hands them out after this response.
-        """
-        gone = False
-        async with trio.open_nursery() as nursery:
-
-            async def watch() -> None:
-                nonlocal gone
-                buffered = 0
-                while buffered < _MAX_PIPELINED:
-                    try:
-                        data = await stream.receive_some(_READ_SIZE)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        data = b""
-                    if not data:
-                        gone = True
-                        nursery.cancel_scope.cancel()
-                        return
-                    conn.receive_data(data)
-                    buffered += len(data)
-
-            nursery.start_soon(watch)
-            try:
-                await work()
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                gone = True
-            nursery.cancel_scope.cancel()
-        return gone
-
-    async def _generate(
-        self, conn: h11.Connection, stream: trio.SocketStream, req: GenRequest, done: list[bool]
-    ) -> None:
+    async def _generate(self, ex: Exchange, req: GenRequest, done: list[bool]) -> None:
         """Hold a slot, produce the tokens in time, send them; `done` gets True at the end."""
         b = self.behaviour
         st = self.state
@@ -698,12 +428,7 @@ class FakeEngine:
         created = int(time.time())
         writer = StreamWriter(req, rid, created)
         if req.stream:
-            head = h11.Response(
-                status_code=200,
-                headers=self._headers("text/event-stream; charset=utf-8", None),
-                reason=b"OK",
-            )
-            await stream.send_all(conn.send(head))
+            await ex.start_stream("text/event-stream; charset=utf-8")
         st.waiting += 1
         try:
             await self._slots.acquire()
@@ -730,7 +455,7 @@ class FakeEngine:
             for i in range(req.n_tokens):
                 if b.hang_after_tokens is not None and i >= b.hang_after_tokens:
                     if pending:
-                        await stream.send_all(conn.send(h11.Data(data=pending)))
+                        await ex.send_data(pending)
                     await trio.sleep_forever()
                 if i and b.token_delay:
                     await trio.sleep(b.token_delay)
@@ -745,7 +470,7 @@ class FakeEngine:
                     pending += writer.token(i)
                     # Without a delay, tokens would go out back to back anyway: batch them.
                     if b.token_delay or i == req.n_tokens - 1:
-                        await stream.send_all(conn.send(h11.Data(data=pending)))
+                        await ex.send_data(pending)
                         pending = b""
             reason = req.finish_reason
             done.append(True)
@@ -753,12 +478,10 @@ class FakeEngine:
             st.release(run, reason)
             self._slots.release()
         if req.stream:
-            await stream.send_all(
-                conn.send(h11.Data(data=writer.end())) + conn.send(h11.EndOfMessage())
-            )
+            await ex.end_stream(writer.end())
         else:
             answer = full_response(self.config.engine, req, rid, created, reported, timings)
-            await self._send(conn, stream, Reply(200, answer))
+            await ex.send(Reply(200, answer))
 
 
 def install(bin_dir: Path, engine: Engine = "vllm", python: str = sys.executable) -> Path:
