@@ -1,5 +1,6 @@
-"""Tenants, keys with expiry, usage and the audit log through the admin API (llmgw/cp/_admin.py),
-on the store (llmgw/cp/_store.py) over SQLite and a real PostgreSQL started here."""
+"""Tenants, keys with expiry, usage and the audit log through the admin API
+(llmgw/cp/_admin/_tenants.py and _logs.py), on the store (llmgw/cp/_store.py) over SQLite
+and a real PostgreSQL started here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GET /api/v1/nodes (llmgw/cp/_admin.py): the same JSON, without stalling the heartbeats."""
+"""GET /api/v1/nodes (llmgw/cp/_admin/_fleet.py): the same JSON, without stalling the heartbeats."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ async def test_the_node_list_is_rendered_in_slices_other_tasks_run_between() -> 
         nursery.start_soon(heartbeats)
         await trio.lowlevel.checkpoint()  # it has started
         before = turns
-        status, body = await app._nodes()
+        status, body = await app._fleet.nodes()
         during = turns - before
         nursery.cancel_scope.cancel()
     assert status == 200

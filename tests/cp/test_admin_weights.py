@@ -1,4 +1,4 @@
-"""The admin API on weights (llmgw/cp/_admin.py, llmgw/cp/_holdings.py): a starting
+"""The admin API on weights (llmgw/cp/_admin/_weights.py, llmgw/cp/_holdings.py): a starting
 replica's download, what each node holds and who wants it, reclaim per node, and what
 each fabric holds. Through the real AdminApp as ASGI; the agents are stand-ins that
 answer `reclaim` (the real agent's side is tested in tests/ctl/test_ctl_weights.py)."""

@@ -293,11 +293,11 @@ async def test_replicas_rows_show_the_predecessors_failure_for_the_window(
                            False, None)  # fmt: skip
     reconciler.views = [new]
     await trio.sleep(60)
-    (row,) = admin._replica_rows()
+    (row,) = admin._models.replica_rows()
     assert row["replica"] == "chat-def456"
     assert row["last_failure"]["replica_id"] == "chat-abc123"
     assert row["last_failure"]["reason"] == "engine (pid 4242) was killed by SIGKILL"
     assert row["last_failure"]["lines"][-1].endswith("Uvicorn running on http://127.0.0.1:8123")
     await trio.sleep(registry.events.failure_retention_s)
-    (row,) = admin._replica_rows()
+    (row,) = admin._models.replica_rows()
     assert row["last_failure"] is None

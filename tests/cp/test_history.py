@@ -280,11 +280,11 @@ async def test_the_registry_records_heartbeats_and_a_forgotten_node_drops_its_hi
         _agent, peer, session = await register(registry, "n1", inventory=inv)
         clock.t = 10.0
         await session.heartbeat(model.Heartbeat(seq=1, usage=model.Usage(cpu_util_pct=7.0)))
-        status, body = await app._history(node="n1")
+        status, body = await app._logs.history(node="n1")
         assert status == 200
         assert body["series"]["cpu_util_percent"][-2:] == [5.0, 7.0]  # registration, heartbeat
         with pytest.raises(HttpError) as refused:
-            await app._history(node="n2")
+            await app._logs.history(node="n2")
         assert refused.value.status == 404 and "'n2'" in str(refused.value)
 
         peer.closed.set()
@@ -292,7 +292,7 @@ async def test_the_registry_records_heartbeats_and_a_forgotten_node_drops_its_hi
         registry.forget("n1")
         assert h.view("n1") is None and h.nodes() == []
         with pytest.raises(HttpError) as gone:
-            await app._history(node="n1")
+            await app._logs.history(node="n1")
         assert gone.value.status == 404 and "'n1'" in str(gone.value)
         nursery.cancel_scope.cancel()
 

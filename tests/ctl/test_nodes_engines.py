@@ -35,7 +35,7 @@ async def test_the_admin_json_carries_found_and_pending_and_the_table_reads_them
         ),
     )  # fmt: skip
     await session.heartbeat(model.Heartbeat(seq=1, engines=engines))
-    status, body = await AdminApp(registry, "key")._nodes()
+    status, body = await AdminApp(registry, "key")._fleet.nodes()
     assert status == 200
     nodes = json.loads(body)["nodes"]
     got = nodes[0]["inventory"]["engines"]
