@@ -512,17 +512,20 @@ def test_supervisor_runs_the_installed_engine_unless_the_operator_named_one(
 ) -> None:
     installed = {"vllm": "/i/vllm", "llama-server": "/i/llama-server", "sglang": "/i/bin/python"}
     sup = Supervisor(tmp_path, engine_paths={"vllm": "/op/vllm"}, path_of=installed.get)
-    assert sup._resolve(["vllm", "serve", "m"], "vllm") == ["/op/vllm", "serve", "m"]
-    assert sup._resolve(["llama-server", "-m", "x"], "llama-server") == [
+    assert sup._launcher.resolve(["vllm", "serve", "m"], "vllm") == ["/op/vllm", "serve", "m"]
+    assert sup._launcher.resolve(["llama-server", "-m", "x"], "llama-server") == [
         "/i/llama-server",
         "-m",
         "x",
     ]
-    assert sup._resolve(["python3", "-m", "sglang.launch_server"], "sglang")[0] == "/i/bin/python"
+    assert (
+        sup._launcher.resolve(["python3", "-m", "sglang.launch_server"], "sglang")[0]
+        == "/i/bin/python"
+    )
     # Only the engine's own program is replaced; nothing installed: as written.
-    assert sup._resolve(["sh", "-c", "true"], "llama-server") == ["sh", "-c", "true"]
+    assert sup._launcher.resolve(["sh", "-c", "true"], "llama-server") == ["sh", "-c", "true"]
     bare = Supervisor(tmp_path)
-    assert bare._resolve(["llama-server"], "llama-server") == ["llama-server"]
+    assert bare._launcher.resolve(["llama-server"], "llama-server") == ["llama-server"]
 
 
 async def test_servant_declare_engines_fenced_by_epoch(tmp_path: Path) -> None:
