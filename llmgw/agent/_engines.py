@@ -18,7 +18,7 @@ virtualenv per version under `<state>/engines/<name>/<version>/` (created in
 place: a venv's scripts name their directory, so it cannot be renamed), filled
 by pip from the declared index or the control plane's mirror `/simple/`, and
 proven by importing the package, never by running the server; the marker is
-written last.
+written last (`_engine_venv`; the marker and its directory: `_engine_dir`).
 
 An installed marker found at start is proven again before it is reported, and
 again every `recheck_s` (an upgrade can remove a library); a failed proof moves
@@ -30,13 +30,10 @@ left alone and not reported.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import shutil
 import ssl
 import stat
-import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -48,6 +45,11 @@ import trio
 
 from llmgw import model
 from llmgw.agent import _extract, _ldd
+from llmgw.agent._engine_dir import MARKER as MARKER
+from llmgw.agent._engine_dir import InstallError, read_marker, rmtree, write_marker
+from llmgw.agent._engine_venv import PIP_ENGINES, VenvInstaller
+from llmgw.agent._engine_venv import PipTls as PipTls
+from llmgw.agent._engine_venv import pip_failure as pip_failure
 from llmgw.agent._fetch import Fetcher, FetchError
 from llmgw.agent._sources import MIRROR_PREFIX, ControlPlane, SourceError, mirror_url
 from llmgw.core import cache_name
@@ -55,22 +57,13 @@ from llmgw.host.packages import PackageError, PackageInstaller
 
 log = logging.getLogger("llmgw.agent.engines")
 
-MARKER = ".llmgw-installed"
 RECHECK_S = 600.0
 RETRY_INITIAL_S = 60.0
 RETRY_MAX_S = 600.0
 VERSION_TIMEOUT_S = 30.0  # llama-server --version
 LDD_TIMEOUT_S = 30.0
-VENV_TIMEOUT_S = 300.0
-PIP_TIMEOUT_S = 3600.0  # vLLM pulls torch: gigabytes
-IMPORT_TIMEOUT_S = 300.0  # importing vllm imports torch
 MAX_ARCHIVE_BYTES = 8 << 30  # unpacked
 MAX_ARCHIVE_MEMBERS = 20_000
-PIP_ENGINES = {"vllm": "vllm", "sglang": "sglang"}  # engine -> the module proven by import
-
-
-class InstallError(Exception):
-    """One pass failed; the message is the one line the node reports."""
 
 
 @attrs.frozen
@@ -104,24 +97,6 @@ def _mb(n: int) -> str:
     return f"{max(1, n // 1000) if n else 0} kB"
 
 
-def pip_failure(output: str, requirement: str) -> str:
-    """pip's failure in one line: its "No matching distribution found for X" line when
-    there is one, else its last error line."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    for line in lines:
-        # The index could not be read (TLS, refused): that, not "no matching", is why.
-        if line.startswith("Could not fetch URL "):
-            why = line.removeprefix("Could not fetch URL ").split(" (Caused by", 1)[0]
-            return f"pip install {requirement}: could not read the index {why}"[:300]
-    for line in lines:
-        if "No matching distribution found for" in line:
-            what = line.split("No matching distribution found for", 1)[1].strip()
-            return f"no matching distribution for {what or requirement}"
-    errors = [line for line in lines if line.startswith("ERROR:")]
-    last = (errors or lines or ["(no output)"])[-1]
-    return f"pip install {requirement}: {last.removeprefix('ERROR:').strip()}"[:300]
-
-
 def _base_name(url: str) -> str:
     path = url[len(MIRROR_PREFIX) :] if url.startswith(MIRROR_PREFIX) else urlsplit(url).path
     return path.rstrip("/").rsplit("/", 1)[-1] or url
@@ -147,36 +122,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _read_marker(directory: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _write_marker(directory: Path, data: Mapping[str, Any]) -> None:
-    tmp = directory / (MARKER + ".tmp")
-    tmp.write_text(json.dumps(dict(data), indent=2, sort_keys=True) + "\n")
-    tmp.replace(directory / MARKER)
-
-
-def _rmtree(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
-
-
-@attrs.frozen
-class PipTls:
-    """The mirror's TLS for pip: the cluster CA, and this agent's key and certificate."""
-
-    ca: Path
-    cert: Path
-    key: Path
-
-
 class Installer:
     def __init__(
         self,
@@ -197,14 +142,11 @@ class Installer:
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.root = state_dir / "engines"
-        self._state_dir = state_dir
         self._fetcher = fetcher
         self._placement = placement
         self._control_plane = control_plane
         self._client_tls = client_tls
-        self._pip_tls = pip_tls
         self._on_change = on_change
-        self._python = python or getattr(sys, "_base_executable", None) or "python3"
         # family -> a PackageInstaller; a parameter so a test can hand in its own.
         self._packages = packages or (lambda fam: PackageInstaller(fam))
         self.recheck_s = recheck_s
@@ -212,6 +154,16 @@ class Installer:
         self.retry_max_s = retry_max_s
         self.version_timeout_s = version_timeout_s
         self._env = dict(env) if env is not None else None  # the proofs' environment
+        self._venv = VenvInstaller(
+            self.root,
+            state_dir,
+            python=python or getattr(sys, "_base_executable", None) or "python3",
+            env=self._env,
+            control_plane=control_plane,
+            pip_tls=pip_tls,
+            status=self._status,
+            checking=self._checking,
+        )
         self._decls: model.EngineDecls | None = None
         self._declared = trio.Event()
         self._found: dict[str, model.Engine] = {}
@@ -341,7 +293,7 @@ class Installer:
         if decl.name == "llama-server":
             return await self._archive(decl)
         if decl.name in PIP_ENGINES:
-            return await self._pip(decl)
+            return await self._venv.install(decl)
         raise InstallError(f"unknown engine {decl.name!r}; known: llama-server, vllm, sglang")
 
     # llama-server: archives ---------------------------------------------------------------
@@ -354,7 +306,7 @@ class Installer:
             have = ", ".join(a.variant for a in decl.archives) or "none"
             raise InstallError(f"no llama-server archive declared for {want} (declared: {have})")
         final = self.root / decl.name / decl.version
-        marker = await trio.to_thread.run_sync(_read_marker, final)
+        marker = await trio.to_thread.run_sync(read_marker, final)
         if (
             marker is not None
             and marker.get("version") == decl.version
@@ -371,7 +323,7 @@ class Installer:
         if got != archive.sha256.lower():
             # The Fetcher's entry for it, whole (file and marker): a retry fetches again.
             entry = path.parent if path.parent.name == cache_name(archive.url) else path
-            await trio.to_thread.run_sync(_rmtree, entry)
+            await trio.to_thread.run_sync(rmtree, entry)
             raise InstallError(
                 f"{_base_name(archive.url)}: sha256 {got} is not the declared {archive.sha256}"
             )
@@ -390,16 +342,16 @@ class Installer:
         await self._prove_binary(decl, binary, where)
 
         def finish() -> None:
-            _rmtree(final)  # an unmarked leftover of an earlier pass
+            rmtree(final)  # an unmarked leftover of an earlier pass
             partial.rename(final)
             data = {"version": decl.version, "variant": want, "sha256": got, "binary": str(rel)}
-            _write_marker(final, data)
+            write_marker(final, data)
 
         await trio.to_thread.run_sync(finish)
         return model.Engine(decl.name, str(final / rel), decl.version, "installed")
 
     def _unpack(self, archive: Path, dest: Path) -> None:
-        _rmtree(dest)
+        rmtree(dest)
         dest.mkdir(parents=True)
         _extract.extract_tar(
             archive, dest, max_bytes=MAX_ARCHIVE_BYTES, max_members=MAX_ARCHIVE_MEMBERS
@@ -453,134 +405,3 @@ class Installer:
             await _ldd.prove_version(binary, timeout_s=self.version_timeout_s, env=self._env)
         except _ldd.ProofError as exc:
             raise InstallError(str(exc)) from None
-
-    # vLLM, SGLang: a virtualenv per version ------------------------------------------------
-
-    async def _pip(self, decl: model.EngineDecl) -> model.Engine:
-        module = PIP_ENGINES[decl.name]
-        requirement = decl.requirement or f"{module}=={decl.version}"
-        venv = self.root / decl.name / decl.version
-        python = venv / "bin" / "python"
-        exe = python if decl.name == "sglang" else venv / "bin" / decl.name
-        marker = await trio.to_thread.run_sync(_read_marker, venv)
-        if not (
-            marker is not None
-            and marker.get("version") == decl.version
-            and marker.get("requirement") == requirement
-        ):
-            await self._fill_venv(decl, venv, requirement)
-        self._checking(decl.name, f"import {module}", decl.version)
-        done = await self._run([str(python), "-c", f"import {module}"], IMPORT_TIMEOUT_S)
-        if done is None:
-            raise InstallError(
-                f"{python} -c 'import {module}': no answer within {IMPORT_TIMEOUT_S:g} s"
-            )
-        if done.returncode != 0:
-            raise InstallError(f"{python} -c 'import {module}' failed: {_last_line(done.stdout)}")
-        if not os.access(exe, os.X_OK):
-            raise InstallError(f"{exe}: not installed by {requirement} (no such executable)")
-        if marker is None or marker.get("requirement") != requirement:
-            data = {
-                "version": decl.version,
-                "requirement": requirement,
-                "binary": str(exe.relative_to(venv)),
-            }
-            await trio.to_thread.run_sync(_write_marker, venv, data)
-        return model.Engine(decl.name, str(exe), decl.version, "installed")
-
-    async def _fill_venv(self, decl: model.EngineDecl, venv: Path, requirement: str) -> None:
-        await trio.to_thread.run_sync(_rmtree, venv)  # unmarked: an earlier pass's leftover
-        await trio.to_thread.run_sync(lambda: venv.parent.mkdir(parents=True, exist_ok=True))
-        self._status(decl.name, "installing", "creating a virtualenv", decl.version)
-        done = await self._run([self._python, "-m", "venv", str(venv)], VENV_TIMEOUT_S)
-        if done is None or done.returncode != 0:
-            why = "no answer" if done is None else _last_line(done.stdout)
-            raise InstallError(f"{self._python} -m venv {venv} failed: {why}")
-        args = [
-            str(venv / "bin" / "python"),
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--no-input",
-            "--index-url",
-            await self._index(decl),
-        ]
-        tls_args = await self._pip_tls_args(decl)
-        args += tls_args
-        args.append(requirement)
-        self._status(decl.name, "installing", f"pip install {requirement}", decl.version)
-        done = await self._run(args, PIP_TIMEOUT_S, pip=True, own_ca=bool(tls_args))
-        if done is None:
-            raise InstallError(f"pip install {requirement}: no answer within {PIP_TIMEOUT_S:g} s")
-        if done.returncode != 0:
-            output = done.stdout.decode(errors="replace")
-            log.warning(
-                "pip install %s failed; its last lines:\n%s",
-                requirement,
-                "\n".join(output.splitlines()[-15:]),
-            )
-            raise InstallError(pip_failure(output, requirement))
-
-    async def _index(self, decl: model.EngineDecl) -> str:
-        if decl.index_url:
-            return decl.index_url
-        try:
-            url, _ = mirror_url(self._control_plane(), MIRROR_PREFIX + "/simple/", None)
-        except SourceError as exc:
-            raise InstallError(
-                f"{decl.name} {decl.version}: no index_url declared, and {exc}"
-            ) from None
-        return url
-
-    async def _pip_tls_args(self, decl: model.EngineDecl) -> list[str]:
-        cp = self._control_plane()
-        if decl.index_url or cp is None or not cp.settings.mirror_tls or self._pip_tls is None:
-            return []
-        tls = self._pip_tls
-        pem = self._state_dir / "pip-client.pem"
-
-        def write() -> None:
-            body = tls.key.read_bytes().rstrip(b"\n") + b"\n" + tls.cert.read_bytes()
-            fd = os.open(pem.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(body)
-            os.chmod(pem.with_suffix(".tmp"), 0o600)
-            os.replace(pem.with_suffix(".tmp"), pem)
-
-        await trio.to_thread.run_sync(write)
-        return ["--cert", str(tls.ca), "--client-cert", str(pem)]
-
-    async def _run(
-        self, argv: list[str], timeout_s: float, *, pip: bool = False, own_ca: bool = False
-    ) -> Any:
-        """The finished process (stdout and stderr together), or None past `timeout_s`.
-
-        pip (`pip=True`) reads no configuration file and no PIP_* variable: the
-        declaration alone says where it installs from (a node's pip.conf may add
-        indexes, find-links or constraints). With the mirror's CA (`own_ca`),
-        REQUESTS_CA_BUNDLE and CURL_CA_BUNDLE go too: requests lets them win over
-        pip's --cert."""
-        env = {**(self._env if self._env is not None else os.environ), "PYTHONUNBUFFERED": "1"}
-        env.pop("PYTHONHOME", None)
-        env.pop("VIRTUAL_ENV", None)
-        if pip:
-            env = {k: v for k, v in env.items() if not k.startswith("PIP_")}
-            env["PIP_CONFIG_FILE"] = os.devnull
-        if own_ca:
-            env.pop("REQUESTS_CA_BUNDLE", None)
-            env.pop("CURL_CA_BUNDLE", None)
-        with trio.move_on_after(timeout_s):
-            try:
-                return await trio.run_process(
-                    argv, capture_stdout=True, stderr=subprocess.STDOUT, check=False, env=env
-                )
-            except OSError as exc:
-                raise InstallError(f"{argv[0]}: cannot run ({exc.strerror or exc})") from None
-        return None
-
-
-def _last_line(output: bytes | str | None) -> str:
-    text = output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "(no output)"
