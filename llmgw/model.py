@@ -122,6 +122,9 @@ class Fabric:
     name: str
     adapters: tuple[str, ...]
     rate_gbps: float | None  # the slowest active link
+    # agent.yaml's fabrics.<name>.interface: the socket interface NCCL's and Gloo's
+    # bootstrap use on this fabric; None: not named, the engine picks one.
+    interface: str | None = None
 
 
 @attrs.frozen

@@ -58,6 +58,7 @@ struct Fabric {
   name @0 :Text;
   adapters @1 :List(Text);
   rateGbps @2 :OptF64;
+  interface @3 :Text;  # the socket interface NCCL/Gloo use beside it (agent.yaml); null: none named
 }
 
 struct Host {

@@ -128,6 +128,9 @@ class Node:
             model_dirs=cfg.model_dirs if cfg else (),
             weights_dir=cfg.weights_dir if cfg else None,
             fabrics={name: decl.adapters for name, decl in cfg.fabrics.items()} if cfg else None,
+            fabric_interfaces=(
+                {n: d.interface for n, d in cfg.fabrics.items() if d.interface} if cfg else None
+            ),
             sglang_python=cfg.sglang_python if cfg else None,
             llmgw_pids=self.llmgw_pids(),
             nvml=self._nvml,

@@ -584,6 +584,7 @@ class Reconciler:
                 port=port,
                 rendezvous_port=rendezvous,
                 fabric_adapters=tuple(r.fabric_adapters),
+                socket_interface=_interface(rec, where.fabric),
             )
             launch = engines.plan_launch(eprofile, assignment)
             spec = to_shard_spec(f"{replica_id}.{r.rank}", eprofile, launch, fingerprint=fp)
@@ -617,6 +618,14 @@ class Reconciler:
 
     def unplaced(self) -> list[Unplaced]:
         return list(self._unplaced.values())
+
+
+def _interface(rec: NodeRecord, fabric: str | None) -> str | None:
+    """The socket interface this node names for the fabric placement chose (agent.yaml's
+    `fabrics.<name>.interface`, carried in its inventory); None: none chosen or named."""
+    if fabric is None:
+        return None
+    return next((f.interface for f in rec.inventory.fabrics if f.name == fabric), None)
 
 
 def _fetched(source: str) -> bool:

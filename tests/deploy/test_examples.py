@@ -197,6 +197,7 @@ def inventory(tmp: Path, node: str, agent: config.AgentConfig, gpus: str) -> mod
         runner=SubprocessRunner(env=env),
         weights_dir=weights,
         fabrics={name: f.adapters for name, f in agent.fabrics.items()},
+        fabric_interfaces={n: f.interface for n, f in agent.fabrics.items() if f.interface},
         sglang_python=sglang_python,
         engine_paths=engine_paths,
         nvml=None,
@@ -233,7 +234,7 @@ async def test_ctl_place_dry_run_places_every_example_model_on_a_recorded_fleet(
     for node in ("gpu-1", "gpu-2"):
         inv = fleet[node]
         assert inv.gpus is not None and [g.gpu_class for g in inv.gpus] == ["h100-80g"] * 8
-        assert inv.fabrics == (model.Fabric("ib-a", H100_RAILS, 400.0),)
+        assert inv.fabrics == (model.Fabric("ib-a", H100_RAILS, 400.0, "ib0"),)
     assert fleet["cpu-1"].gpus == () and fleet["cpu-1"].fabrics == ()
     for inv in fleet.values():
         assert inv.engines is not None
@@ -277,6 +278,56 @@ async def test_ctl_place_dry_run_places_every_example_model_on_a_recorded_fleet(
     for rank in ray[1:]:
         assert rank.endswith(" gpus 0,1,2,3,4,5,6,7 " + ",".join(H100_RAILS)), rank
     assert answers["wrong key"][0] != 0 and "refused the admin key (401)" in answers["wrong key"][1]
+
+
+class StartingAgent:
+    """A node's capability that records the shards it is asked to start (each starting)."""
+
+    def __init__(self) -> None:
+        self.started: list[model.ShardSpec] = []
+
+    async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
+        self.started.append(spec)
+        return model.ShardReport(spec.shard_id, spec.model, spec.engine, "starting")
+
+    def release(self) -> None:
+        pass
+
+
+async def test_the_fabrics_interface_reaches_the_two_node_engines_environment(
+    tmp_path: Path,
+) -> None:
+    """agent.yaml's `fabrics.ib-a.interface: ib0` travels with the fabric in the node's
+    inventory, and the reconciler's start of the two-node Ray model tells NCCL and Gloo
+    to bootstrap over it on both ranks, beside the fabric's adapters."""
+    loaded = await trio.to_thread.run_sync(load_like_llmgw_cp, server_yaml(tmp_path))
+    gpu_agent = config.load(EXAMPLES / "agent.yaml", config.AgentConfig)
+    assert gpu_agent.fabrics["ib-a"].interface == "ib0"
+    registry = NodeRegistry(_policy(loaded.cfg), forget_after_s=loaded.cfg.forget_after_s)
+    registry.engines = loaded.catalog.engines
+    # Both probed before either registers: a probe takes seconds, and a node registered
+    # first would miss heartbeats meanwhile.
+    fleet = {n: inventory(tmp_path / n, n, gpu_agent, "8xh100-80g") for n in ("gpu-1", "gpu-2")}
+    agents = {node: StartingAgent() for node in fleet}
+    for node, inv in fleet.items():
+        await register(registry, node, inventory=inv, agent=agents[node])  # type: ignore[arg-type]
+    ray = loaded.catalog.catalog.model("llama3.1-405b-fp8")
+    assert ray is not None
+    only_ray = _catalog.Catalog((ray,))
+    reconciler = Reconciler(registry, lambda: only_ray, interval_s=0.05, settle_s=0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await nursery.start(reconciler.run)
+        with trio.fail_after(60):
+            while not all(a.started for a in agents.values()):
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    for node, agent in agents.items():
+        spec = agent.started[0]  # the registry hears of no shard here: later passes start again
+        assert (spec.rank, spec.ranks) == ((0, 2) if spec.rank == 0 else (1, 2)), spec
+        env = {e.name: e.value for p in spec.processes for e in p.env}
+        assert (env["NCCL_SOCKET_IFNAME"], env["GLOO_SOCKET_IFNAME"]) == ("=ib0", "ib0"), node
+        assert env["NCCL_IB_HCA"] == "=" + ",".join(H100_RAILS), node
 
 
 async def test_the_recorded_fleet_refuses_what_it_cannot_hold(tmp_path: Path) -> None:

@@ -105,7 +105,7 @@ FULL = model.Inventory(
         ),
     ),
     topology=model.Topology(nvlinks=(model.NvLink(0, 1, 18),)),
-    fabrics=(model.Fabric("ib-a", ("mlx5_0",), 400.0),),
+    fabrics=(model.Fabric("ib-a", ("mlx5_0",), 400.0, "ib0"), model.Fabric("roce", (), None)),
     engines=model.Engines(found=()),
     warnings=("w",),
 )

@@ -167,7 +167,9 @@ def parse_ibstatus(text: str, *, source: str = "ibstatus") -> tuple[IbAdapter, .
 
 
 def advertise_fabrics(
-    declared: Mapping[str, Sequence[str]], adapters: Sequence[IbAdapter]
+    declared: Mapping[str, Sequence[str]],
+    adapters: Sequence[IbAdapter],
+    interfaces: Mapping[str, str] | None = None,
 ) -> tuple[tuple[Fabric, ...], tuple[str, ...]]:
     """The declared fabrics this node can really use, and why the rest are not advertised.
 
@@ -175,7 +177,10 @@ def advertise_fabrics(
     replica placed for a fabric whose link is down would fall back to TCP
     silently and run many times slower. A fabric's rate is its slowest active
     link (collectives go at the pace of the slowest rail). A fabric left with
-    no adapter is not advertised.
+    no adapter is not advertised. `interfaces` names, per fabric, the socket
+    interface its engines' NCCL/Gloo bootstrap should use (agent.yaml's
+    `fabrics.<name>.interface`); it travels with the fabric to the control plane,
+    which puts it in a multi-node shard's environment.
     """
     by_name = {a.name: a for a in adapters}
     fabrics: list[Fabric] = []
@@ -204,5 +209,8 @@ def advertise_fabrics(
             warn(f"fabric {fabric}: not advertised, none of its adapters is usable")
             continue
         slowest = min(rates, default=None)
-        fabrics.append(Fabric(name=fabric, adapters=tuple(usable), rate_gbps=slowest))
+        interface = (interfaces or {}).get(fabric)
+        fabrics.append(
+            Fabric(name=fabric, adapters=tuple(usable), rate_gbps=slowest, interface=interface)
+        )
     return tuple(fabrics), tuple(warnings)

@@ -791,6 +791,7 @@ def collect_inventory(
     model_dirs: Sequence[str | Path] = (),
     weights_dir: str | Path | None = None,
     fabrics: Mapping[str, Sequence[str]] | None = None,
+    fabric_interfaces: Mapping[str, str] | None = None,
     sglang_python: str | None = None,
     llmgw_pids: Collection[int] = (),
     nvml: NvmlLoader | None = load_pynvml,
@@ -835,7 +836,7 @@ def collect_inventory(
         "RDMA", warnings, lambda: read_ib_adapters(root / "sys/class/infiniband"), empty_ib
     )
     warnings.extend(ib_warnings)
-    advertised, fabric_warnings = advertise_fabrics(fabrics or {}, adapters)
+    advertised, fabric_warnings = advertise_fabrics(fabrics or {}, adapters, fabric_interfaces)
     warnings.extend(fabric_warnings)
 
     no_filesystems: tuple[Filesystem, ...] = ()

@@ -106,11 +106,13 @@ def test_fabric_with_missing_and_init_adapters(
 def test_fabric_on_the_fixture_host() -> None:
     adapters, _ = read_ib_adapters(SYSFS)
     fabrics, warnings = advertise_fabrics(
-        {"ndr": [f"mlx5_{i}" for i in (0, 1, 4, 5)], "roce": ["mlx5_bond_0"]}, adapters
+        {"ndr": [f"mlx5_{i}" for i in (0, 1, 4, 5)], "roce": ["mlx5_bond_0"]},
+        adapters,
+        {"ndr": "ib0"},  # agent.yaml's fabrics.ndr.interface; roce names none
     )
     assert fabrics == (
-        Fabric("ndr", ("mlx5_0", "mlx5_1", "mlx5_4", "mlx5_5"), 400.0),
-        Fabric("roce", ("mlx5_bond_0",), 200.0),
+        Fabric("ndr", ("mlx5_0", "mlx5_1", "mlx5_4", "mlx5_5"), 400.0, "ib0"),
+        Fabric("roce", ("mlx5_bond_0",), 200.0, None),
     )
     assert warnings == ()
 
