@@ -14,15 +14,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw import core, model
-from llmgw.cp._registry import (
+from llmgw.cp._progress import (
     PROGRESS_PER_NODE,
     PROGRESS_RATE_TAU_S,
     PROGRESS_SILENCE_S,
     PROGRESS_SOURCE_MAX,
     FetchProgress,
-    NodeRegistry,
     next_progress,
 )
+from llmgw.cp._registry import NodeRegistry
 
 SRC = "mirror:/qwen-7b/"
 

@@ -205,7 +205,7 @@ async def test_settle_waits_for_every_known_node_and_a_slow_storm_extends_it(
     autojump_clock: Any, tmp_path: Path
 ) -> None:
     registry, reconciler = make(settle_s=2.0, replicas=4)
-    registry.known = {"a", "b", "c", "d"}  # as load_state reads them (test_drain.py)
+    registry.known.update({"a", "b", "c", "d"})  # as load_state reads them (test_drain.py)
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
         await nursery.start(reconciler.run)
@@ -235,7 +235,7 @@ async def test_settle_without_the_rest_ends_settle_s_after_the_last_registration
     autojump_clock: Any, tmp_path: Path
 ) -> None:
     registry, reconciler = make(settle_s=2.0, replicas=2)
-    registry.known = {"a", "b", "gone"}
+    registry.known.update({"a", "b", "gone"})
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
         await nursery.start(reconciler.run)

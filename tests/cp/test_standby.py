@@ -269,7 +269,7 @@ async def test_a_standby_reconciler_does_nothing_and_the_settle_counts_from_the_
 ) -> None:
     quiet = core.LivenessPolicy(heartbeat_interval_s=60, lost_after_s=600)  # no beats needed
     registry = NodeRegistry(quiet, leading=False)
-    registry.known = {"a", "b"}  # as the store had them
+    registry.known.update({"a", "b"})  # as the store had them
     reconciler = Reconciler(registry, tiny, interval_s=0.5, settle_s=3.0)
     registry.listeners.append(reconciler.poke)
     async with trio.open_nursery() as nursery:
