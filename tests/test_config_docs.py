@@ -7,13 +7,17 @@ for; a key the code takes but the reference leaves out is one nobody can find.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
+from pathlib import Path
 
 import attrs
 import pytest
 from helpers import REPO
 
 from llmgw import config
+from llmgw.cp import _catalog, _engines
 from llmgw.router._main import RouterFile
 from llmgw.router._router import RouterConfig
 
@@ -66,3 +70,63 @@ def test_nested_keys_are_the_nested_classes_fields() -> None:
     for heading in ("agent.yaml", "server.yaml"):
         (body,) = [b for h, b in sections().items() if h.startswith(heading)]
         assert set(re.findall(r"`tls\.([a-z_]+)`", body)) == fields(config.TlsFiles), heading
+
+
+# --- every key reaches code -----------------------------------------------------------------
+
+LIBRARY = REPO / "llmgw"
+
+
+def _reads(skip: ast.ClassDef | None, home: Path) -> set[str]:
+    """The attribute names library code reads (`x.name`, in a load context), leaving out
+    llmgw/config.py (the loaders and their validators) and, in `home`, the body of the
+    class `skip` itself."""
+    out: set[str] = set()
+    for path in sorted(LIBRARY.rglob("*.py")):
+        if path.resolve() == (LIBRARY / "config.py").resolve():
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        inside: set[int] = set()
+        if skip is not None and path.resolve() == home:
+            for n in ast.walk(tree):
+                if isinstance(n, ast.ClassDef) and n.name == skip.name:
+                    inside = {id(x) for x in ast.walk(n)}
+        out |= {
+            n.attr
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and id(n) not in inside
+        }
+    return out
+
+
+# The classes a config file is loaded into, top level and nested: what docs/configuration.md
+# documents, field by field (the test above holds the two lists equal).
+LOADED = [
+    config.AgentConfig,
+    config.TlsFiles,
+    config.FabricDecl,
+    config.ServerConfig,
+    config.MirrorConfig,
+    RouterConfig,
+    RouterFile,
+    config.CtlConfig,
+    _engines.EngineConfig,
+    _engines.ArchiveConfig,
+    _catalog.CatalogModel,
+    _catalog.Profile,
+]
+
+
+@pytest.mark.parametrize("cls", LOADED, ids=lambda c: c.__name__)
+def test_every_documented_key_is_read_by_code_outside_its_loader(cls: type) -> None:
+    """A key the loader takes and no code reads is accepted and does nothing (as
+    `fabrics.<name>.interface` once was): each field of each loaded class is read as an
+    attribute by library code other than its loader and its own class body. What
+    each key then changes is pinned by the tests of its feature (for `interface`:
+    tests/deploy/test_examples.py, the two-node engine's NCCL_SOCKET_IFNAME)."""
+    home = Path(inspect.getfile(cls)).resolve()
+    tree = ast.parse(home.read_text())
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
+    reads = _reads(node, home)
+    unread = sorted(f.name for f in attrs.fields(cls) if f.name not in reads)
+    assert unread == [], f"{cls.__name__}: read by no library code outside its declaration"
