@@ -287,8 +287,8 @@ class Label:
 class ShardState(enum.StrEnum):
     """Where a shard stands; the values are what travels (ShardReport.state).
 
-    The agent's supervisor moves between them through its transition table
-    (llmgw.agent._supervisor.TRANSITIONS); `unhealthy` is a shard that was
+    The agent's supervisor moves between them through the transition table
+    (llmgw.core._shard.TRANSITIONS); `unhealthy` is a shard that was
     ready and whose health checks have failed several times in a row.
     """
 

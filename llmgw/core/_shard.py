@@ -33,8 +33,10 @@ A shard enters the table at starting, when it is started; a shard adopted by
 a restarted agent enters at loading (every process alive: not ready until a
 check passes) or at failed (it had failed before, or part of it is gone).
 
-The agent's supervisor (llmgw/agent/_supervisor.py) is the only one that moves
-shards; the control plane reads the states from reports (`ShardReport.state`
+The agent is the only one that moves shards: its supervisor
+(llmgw/agent/_supervisor.py) through this table, and adoption after a restart
+(llmgw/agent/_adopt.py), which enters a shard at loading or failed as above; the
+control plane reads the states from reports (`ShardReport.state`
 carries the `ShardState` values) and never moves them.
 """
 
