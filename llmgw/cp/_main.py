@@ -6,9 +6,11 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
+import attrs
 import hypercorn.config
 import prometheus_client
 import trio
@@ -168,21 +170,151 @@ async def _serve(
     lease_store: SqlStore | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    """The control plane's parts, built (`_assemble`) and started in this order."""
     log.info("store: %s", store.where)
     check_certificates(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     tls = server_tls_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
     key_path, created = ensure_admin_key(cfg.state_dir)
     if created:
         log.info("created the first admin key in %s (keep it safe)", key_path)
-    # A standby until the lease is taken (llmgw/cp/_leader.py): it refuses registrations.
-    registry = NodeRegistry(_policy(cfg), forget_after_s=cfg.forget_after_s, leading=False)
     await import_legacy(cfg.state_dir, store)  # the files an older llmgw-cp kept, once
+    hashes = hashes or ManifestCache()
+    rpc_host, rpc_port = config.split_host_port(cfg.rpc_listen)
+    deadlines = Deadlines(default_s=cfg.rpc_deadline_s)
+    handshake = HandshakeLimits(
+        timeout_s=cfg.rpc_handshake_timeout_s, max_pending=cfg.rpc_max_pending_handshakes
+    )
+    async with (
+        CapnpThread.open(deadlines=deadlines, handshake=handshake) as bridge,
+        trio.open_nursery() as nursery,
+    ):
+        mirror_port = None
+        if cfg.mirror.dir is not None:
+            # Before the registry is built: every registration's Settings name its port.
+            mirror_port = await _start_mirror(nursery, cfg, cfg.mirror.dir, hashes)
+        cp = await _assemble(
+            cfg,
+            catalog,
+            store,
+            router_cfg,
+            key_path=key_path,
+            lease_store=lease_store,
+            close_connection=bridge.close_connection,
+            mirror_port=mirror_port,
+        )
+        await nursery.start(cp.registry.run)
+        await nursery.start(cp.reconciler.run)
+        # Before the RPC listener: alone on its store, this control plane leads before
+        # the first agent dials, so none is refused at start.
+        await nursery.start(cp.leadership.run)
+        nursery.start_soon(cp.publisher.run)
+        nursery.start_soon(cp.published.run)
+        nursery.start_soon(catalog.watch)
+        await nursery.start(cp.sizes.run)
+        rpc_bound = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, cp.registry)
+        await nursery.start(serve_hypercorn, cp.admin, admin_http_config(cfg.admin_listen))
+        await nursery.start(cp.router.run)
+        if cfg.router_listen is not None:
+            # The lean HTTP/1.1 server, not hypercorn: profiled, hypercorn was
+            # 45% of the router's CPU (llmgw/router/_server.py says more).
+            host, port = config.split_host_port(cfg.router_listen)
+            limits = listener_limits(cp.router.config)
+            bound = await nursery.start(
+                partial(serve_http, limits=limits, reuse_port=cp.hub is not None),
+                cp.router.app,
+                host,
+                port,
+            )
+            if cp.hub is not None:
+                sock = cfg.state_dir / SOCKET_NAME
+                await nursery.start(cp.hub.serve, sock)
+                await nursery.start(supervise, cp.workers, sock, host, bound, log_level)
+            log.info(
+                "router: OpenAI API on http://%s:%d/v1%s",
+                host,
+                bound,
+                f" ({cp.workers} workers, this is 0)" if cp.hub is not None else "",
+            )
+        log.info(
+            "control plane ready: agents on %s:%d, admin API on http://%s; %s, epoch %s;"
+            " advertised as %s",
+            rpc_host,
+            rpc_bound,
+            cfg.admin_listen,
+            cp.leadership.view().role,
+            cp.leadership.epoch,
+            cp.leadership.me.describe(),
+        )
+        task_status.started()
+
+
+@attrs.frozen
+class _ControlPlane:
+    """The parts `_serve` starts, built by `_assemble`."""
+
+    registry: NodeRegistry
+    reconciler: Reconciler
+    leadership: Leadership
+    sizes: SourceSizes
+    publisher: EndpointPublisher
+    published: PublishedEndpoints
+    router: Router
+    hub: WorkerHub | None
+    workers: int
+    admin: AdminApp
+
+
+async def _assemble(
+    cfg: config.ServerConfig,
+    catalog: CatalogFile,
+    store: SqlStore,
+    router_cfg: RouterConfig | None,
+    *,
+    key_path: Path,
+    lease_store: SqlStore | None,
+    close_connection: Callable[[int], Awaitable[None]],
+    mirror_port: int | None,
+) -> _ControlPlane:
+    """Every part, each given what it needs when it is built. Leadership and the
+    registry need each other: the registry acts under the lease, and the lease's
+    election and deposition reach the registry (and the reconciler) through the
+    callbacks below, which Leadership calls only from its `run`, once all is built."""
+
+    async def elected(epoch: int) -> None:
+        await registry.load_state(store)  # the other control plane may have changed them
+        registry.lead(epoch)
+        reconciler.elected()  # the settle counts from now
+
+    def deposed(why: str) -> None:
+        registry.step_down(why)
+
+    def learned_leader(holder: Holder | None) -> None:
+        registry.set_leader(holder.rpc if holder is not None else None)
+
+    leadership = Leadership(
+        lease_store or store,
+        advertised(cfg),
+        cfg.lease_s,
+        elected,
+        deposed,
+        on_leader=learned_leader,
+    )
+    history = History()  # each node's last hour, one sample a heartbeat
+    # A standby until the lease is taken (llmgw/cp/_leader.py): it refuses registrations.
+    registry = NodeRegistry(
+        _policy(cfg),
+        forget_after_s=cfg.forget_after_s,
+        leading=False,
+        lease=leadership,
+        close_connection=close_connection,
+        mirror_port=mirror_port,
+        mirror_tls=cfg.mirror.tls if mirror_port is not None else False,
+        engines=catalog.engines,  # before the RPC listener: every registration has it
+        history=history,
+    )
     await registry.load_state(store)  # overrides, and the known nodes a restart waits for
-    registry.history = history = History()  # each node's last hour, one sample a heartbeat
-    registry.engines = catalog.engines  # before the RPC listener: every registration has it
     log.info("engines: %s", _engines.describe(catalog.engines))
     catalog.on_engines = registry.declare_engines
-    hashes = hashes or ManifestCache()
     reconciler = Reconciler(
         registry,
         lambda: catalog.catalog,
@@ -207,25 +339,6 @@ async def _serve(
     published = PublishedEndpoints(store)
     routed = RoleEndpoints(endpoints, published, registry.acting)
     publisher = EndpointPublisher(store, endpoints, registry.acting, lambda: registry.epoch)
-
-    async def elected(epoch: int) -> None:
-        await registry.load_state(store)  # the other control plane may have changed them
-        registry.lead(epoch)
-        reconciler.elected()  # the settle counts from now
-
-    def learned_leader(holder: Holder | None) -> None:
-        registry.set_leader(holder.rpc if holder is not None else None)
-
-    leadership = Leadership(
-        lease_store or store,
-        advertised(cfg),
-        cfg.lease_s,
-        elected,
-        registry.step_down,
-        on_leader=learned_leader,
-    )
-    registry.may_act = leadership.may_act
-    registry.on_stale = leadership.step_down
     reconciler.on_retiring = endpoints.refresh
     registry.listeners += [reconciler.poke, endpoints.refresh]
 
@@ -296,67 +409,18 @@ async def _serve(
     )
     admin.leadership = leadership
     admin.pages = make_pages(api_client(admin, admin_key), admin_key, mirror_dir=cfg.mirror.dir)
-    rpc_host, rpc_port = config.split_host_port(cfg.rpc_listen)
-
-    hc = admin_http_config(cfg.admin_listen)
-
-    deadlines = Deadlines(default_s=cfg.rpc_deadline_s)
-    handshake = HandshakeLimits(
-        timeout_s=cfg.rpc_handshake_timeout_s, max_pending=cfg.rpc_max_pending_handshakes
+    return _ControlPlane(
+        registry=registry,
+        reconciler=reconciler,
+        leadership=leadership,
+        sizes=sizes,
+        publisher=publisher,
+        published=published,
+        router=router,
+        hub=hub,
+        workers=workers,
+        admin=admin,
     )
-    async with (
-        CapnpThread.open(deadlines=deadlines, handshake=handshake) as bridge,
-        trio.open_nursery() as nursery,
-    ):
-        registry.close_connection = bridge.close_connection
-        await nursery.start(registry.run)
-        await nursery.start(reconciler.run)
-        # Before the RPC listener: alone on its store, this control plane leads before
-        # the first agent dials, so none is refused at start.
-        await nursery.start(leadership.run)
-        nursery.start_soon(publisher.run)
-        nursery.start_soon(published.run)
-        nursery.start_soon(catalog.watch)
-        if cfg.mirror.dir is not None:
-            # Before the RPC listener: every registration's Settings name its port.
-            registry.mirror_port = await _start_mirror(nursery, cfg, cfg.mirror.dir, hashes)
-            registry.mirror_tls = cfg.mirror.tls
-        await nursery.start(sizes.run)
-        rpc_bound = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, registry)
-        await nursery.start(serve_hypercorn, admin, hc)
-        await nursery.start(router.run)
-        if cfg.router_listen is not None:
-            # The lean HTTP/1.1 server, not hypercorn: profiled, hypercorn was
-            # 45% of the router's CPU (llmgw/router/_server.py says more).
-            host, port = config.split_host_port(cfg.router_listen)
-            limits = listener_limits(router.config)
-            bound = await nursery.start(
-                partial(serve_http, limits=limits, reuse_port=hub is not None),
-                router.app,
-                host,
-                port,
-            )
-            if hub is not None:
-                sock = cfg.state_dir / SOCKET_NAME
-                await nursery.start(hub.serve, sock)
-                await nursery.start(supervise, workers, sock, host, bound, log_level)
-            log.info(
-                "router: OpenAI API on http://%s:%d/v1%s",
-                host,
-                bound,
-                f" ({workers} workers, this is 0)" if hub is not None else "",
-            )
-        log.info(
-            "control plane ready: agents on %s:%d, admin API on http://%s; %s, epoch %s;"
-            " advertised as %s",
-            rpc_host,
-            rpc_bound,
-            cfg.admin_listen,
-            leadership.view().role,
-            leadership.epoch,
-            leadership.me.describe(),
-        )
-        task_status.started()
 
 
 def admin_http_config(listen: str) -> hypercorn.config.Config:

@@ -9,6 +9,10 @@ Its parts, each a module of its own: the node records (llmgw/cp/_node_record.py)
 the overrides and known nodes kept in the store (llmgw/cp/_fleet_state.py), the
 fetches' progress (llmgw/cp/_progress.py), and the push of an engine
 declaration to the connected agents (llmgw/cp/_declare.py).
+
+What it needs from the rest of the control plane it is given when built: the
+`Lease` it acts under, the mirror agents fetch from, the engine declaration,
+the history it samples into, and how to close an RPC connection.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import trio
 
@@ -32,6 +37,28 @@ from llmgw.errors import NotFound, RegistrationRefused, StaleEpoch, UsageError
 from llmgw.rpc import AgentHandle, PeerInfo, SessionServant
 
 log = logging.getLogger("llmgw.cp.registry")
+
+
+class Lease(Protocol):
+    """Leadership as the registry sees it (llmgw/cp/_leader.py's `Leadership` is one)."""
+
+    def may_act(self) -> bool:
+        """True only inside the lease by this process's clock."""
+        ...
+
+    def step_down(self, why: str) -> None:
+        """Stop acting now: an agent knows a newer leader."""
+        ...
+
+
+class _Unleased:
+    """The lease of a registry that competes with nobody (tests): it may always act."""
+
+    def may_act(self) -> bool:
+        return True
+
+    def step_down(self, why: str) -> None:
+        pass
 
 
 class _Session:
@@ -65,28 +92,34 @@ class NodeRegistry:
         epoch: int = 1,
         forget_after_s: float | None = None,
         leading: bool = True,
+        lease: Lease | None = None,
+        close_connection: Callable[[int], Awaitable[None]] | None = None,
+        mirror_port: int | None = None,
+        mirror_tls: bool = False,
+        engines: model.EngineDecls | None = None,
+        history: History | None = None,
     ) -> None:
         self.policy = policy
         self.forget_after_s = forget_after_s  # a node lost this long is forgotten; None: never
         self.epoch = epoch
         # Leadership (llmgw/cp/_leader.py): a standby refuses registrations, naming the
-        # leader's RPC address when it knows it; `may_act` is the lease's own check (True
-        # only inside the lease by this process's clock), consulted before every command.
+        # leader's RPC address when it knows it; `lease.may_act()` (True only inside the
+        # lease by this process's clock) is consulted before every command. None: nobody
+        # competes, it may always act.
         self.leading = leading
         self.leader_rpc: str | None = None
-        self.may_act: Callable[[], bool] = lambda: True
-        # An agent refused a command as stale: counted, and this control plane steps down.
+        self._lease: Lease = lease if lease is not None else _Unleased()
+        # An agent refused a command as stale: counted, and the lease is stepped down.
         self.commands_refused_stale = 0
-        self.on_stale: Callable[[str], None] | None = None
         # Closes an agent's RPC connection (the bridge's close_connection) on stepping down.
-        self.close_connection: Callable[[int], Awaitable[None]] | None = None
+        self._close_connection = close_connection
         # The weights mirror agents resolve `mirror:` sources against (on the host they
         # dialled); None: this control plane serves none.
-        self.mirror_port: int | None = None
-        self.mirror_tls = False
+        self.mirror_port = mirror_port
+        self.mirror_tls = mirror_tls
         # server.yaml's `engines:`, in every registration's Settings and pushed to every
         # connected agent when it changes (declare_engines); None: nothing declared.
-        self.engines: model.EngineDecls | None = None
+        self.engines = engines
         self.declarations_sent = 0  # declareEngines calls answered, for tests and statistics
         self._clock = clock
         self._wall = wall
@@ -101,7 +134,7 @@ class NodeRegistry:
         self.events = EventLog(clock=clock, wall=wall)
         self._progress = ProgressBook()
         # Each node's last hour (llmgw/cp/_history.py): a sample per heartbeat; None: none kept.
-        self.history: History | None = None
+        self.history = history
 
     def __repr__(self) -> str:
         return f"<NodeRegistry {self.statistics()}>"
@@ -207,7 +240,7 @@ class NodeRegistry:
 
     def acting(self) -> bool:
         """Whether this control plane may command agents now: leading, inside its lease."""
-        return self.leading and self.may_act()
+        return self.leading and self._lease.may_act()
 
     def refusal(self) -> RegistrationRefused:
         """What a standby answers an agent: where the leader is, when it knows."""
@@ -238,7 +271,7 @@ class NodeRegistry:
                 rec.agent.release()
                 rec.agent = None
                 dropped += 1
-            close, nursery = self.close_connection, self._nursery
+            close, nursery = self._close_connection, self._nursery
             if rec.conn_id is not None and close is not None and nursery is not None:
                 nursery.start_soon(close, rec.conn_id)
         self._nodes.clear()
@@ -254,11 +287,10 @@ class NodeRegistry:
 
     def stale_epoch(self, node_id: str, exc: StaleEpoch) -> None:
         """An agent refused a command as older than an epoch it has seen: someone else
-        leads. Counted (`commands_refused_stale`), and this control plane steps down."""
+        leads. Counted (`commands_refused_stale`), and the lease is stepped down."""
         self.commands_refused_stale += 1
         log.warning("node %s refused a command at epoch %d as stale: %s", node_id, self.epoch, exc)
-        if self.on_stale is not None:
-            self.on_stale(f"node {node_id} refused epoch {self.epoch} as stale")
+        self._lease.step_down(f"node {node_id} refused epoch {self.epoch} as stale")
 
     async def register(
         self, peer: PeerInfo, hello: model.Hello, agent: AgentHandle

@@ -226,8 +226,7 @@ async def test_a_reload_that_changes_the_fingerprint_is_pushed_to_every_agent(
 
     first = await loader({"engines": {"vllm": {"version": "0.9.2"}}})
     catalog = CatalogFile(path, Catalog(), first, loader)
-    registry = NodeRegistry(POLICY, epoch=7)
-    registry.engines = catalog.engines
+    registry = NodeRegistry(POLICY, epoch=7, engines=catalog.engines)
     catalog.on_engines = registry.declare_engines
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)

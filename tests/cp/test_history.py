@@ -271,8 +271,8 @@ async def test_the_registry_records_heartbeats_and_a_forgotten_node_drops_its_hi
     autojump_clock: Any,
 ) -> None:
     clock = Clock(0.0)
-    registry = NodeRegistry(POLICY)
-    registry.history = h = history(clock, resolution_s=10, span_s=60)
+    h = history(clock, resolution_s=10, span_s=60)
+    registry = NodeRegistry(POLICY, history=h)
     app = AdminApp(registry, "key")
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)

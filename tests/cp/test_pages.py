@@ -64,8 +64,8 @@ def _inventory(node: str, *, cpu: float | None, warnings: tuple[str, ...] = ()) 
 
 
 class Fleet:
-    def __init__(self, tmp_path: Path) -> None:
-        self.registry = NodeRegistry(core.LivenessPolicy())
+    def __init__(self, tmp_path: Path, history: History | None = None) -> None:
+        self.registry = NodeRegistry(core.LivenessPolicy(), history=history)
         self.catalog = CatalogFile(tmp_path / "server.yaml", _catalog())
         self.reconciler = Reconciler(self.registry, lambda: self.catalog.catalog)
         self.keys = SqliteKeyStore(tmp_path / "keys.db")
@@ -299,9 +299,10 @@ async def test_the_node_page_shows_figures_and_one_chart_per_series(fleet: Fleet
     assert missing.status_code == 404 and "no node &#39;nope&#39;" in missing.text
 
 
-async def test_the_node_page_draws_its_charts_from_the_history_with_gaps(fleet: Fleet) -> None:
+async def test_the_node_page_draws_its_charts_from_the_history_with_gaps(tmp_path: Path) -> None:
     now = [1000.0]
-    fleet.registry.history = history = History(clock=lambda: now[0], wall=lambda: now[0])
+    history = History(clock=lambda: now[0], wall=lambda: now[0])
+    fleet = Fleet(tmp_path, history=history)
     await register(fleet.registry, "n1", inventory=_inventory("n1", cpu=10.0))
     gpu = model.GpuUsage(0, memory_used_mib=1024, utilization_pct=90.0)
     for cpu, gpus in ((20.0, (gpu,)), (None, (gpu,)), (None, ()), (40.0, (gpu,))):

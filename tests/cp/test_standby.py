@@ -49,6 +49,21 @@ def session(addresses: list[tuple[str, int]], tls: Any, servant: object = None) 
     )
 
 
+class Lease:
+    """The registry's lease in a test: `acting` is what may_act answers; each step_down
+    is recorded with its reason."""
+
+    def __init__(self, acting: bool = True) -> None:
+        self.acting = acting
+        self.stepped: list[str] = []
+
+    def may_act(self) -> bool:
+        return self.acting
+
+    def step_down(self, why: str) -> None:
+        self.stepped.append(why)
+
+
 async def wait_for(cond: Any, timeout: float = 15.0) -> None:
     with trio.fail_after(timeout):
         while not cond():
@@ -94,8 +109,7 @@ async def test_a_standby_without_a_leader_says_so_and_reads_nothing() -> None:
     assert str(refused.value) == "standby; leader is cp1:7070"
     assert refused.value.leader == "cp1:7070"
     # A leader past its lease by its own clock refuses too, though not yet stepped down.
-    leader = NodeRegistry(POLICY)
-    leader.may_act = lambda: False
+    leader = NodeRegistry(POLICY, lease=Lease(acting=False))
     with pytest.raises(RegistrationRefused, match="standby; no leader yet"):
         await leader.register(peer, hello, FakeAgent("n1"))  # type: ignore[arg-type]
     assert leader.agent("n1") is None
@@ -105,12 +119,11 @@ async def test_a_deposed_registry_drops_its_sessions_and_agents_go_to_the_new_le
     tmp_path: Path,
 ) -> None:
     server_tls, client_tls = loopback_pki(tmp_path, "n1")
-    old = NodeRegistry(POLICY, epoch=1)
     new = NodeRegistry(POLICY, epoch=2, leading=False)
     changes: list[str] = []
-    old.listeners.append(lambda: changes.append("changed"))
     async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
-        old.close_connection = bridge.close_connection
+        old = NodeRegistry(POLICY, epoch=1, close_connection=bridge.close_connection)
+        old.listeners.append(lambda: changes.append("changed"))
         await nursery.start(old.run)
         await nursery.start(new.run)
         old_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, old)
@@ -139,9 +152,8 @@ async def test_a_stale_epoch_from_a_real_agent_is_counted_and_steps_down(tmp_pat
     """The agent has seen epoch 5; this leader is at 1: its stop is refused across the
     wire as StaleEpoch, decoded as such, counted, and the leader steps down."""
     server_tls, client_tls = loopback_pki(tmp_path, "n1")
-    registry = NodeRegistry(POLICY, epoch=1)
-    stepped: list[str] = []
-    registry.on_stale = stepped.append
+    lease = Lease()
+    registry = NodeRegistry(POLICY, epoch=1, lease=lease)
     servant = AgentServant(None, None)  # type: ignore[arg-type]
     servant.saw_epoch(5)
     reconciler = Reconciler(registry, lambda: Catalog())
@@ -154,7 +166,7 @@ async def test_a_stale_epoch_from_a_real_agent_is_counted_and_steps_down(tmp_pat
             await s.connected.wait()
         await reconciler._stop(Stop("n1", "x.0", "a test"))
         assert registry.commands_refused_stale == 1
-        assert stepped == ["node n1 refused epoch 1 as stale"]
+        assert lease.stepped == ["node n1 refused epoch 1 as stale"]
         nursery.cancel_scope.cancel()
 
 

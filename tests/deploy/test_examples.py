@@ -241,8 +241,9 @@ async def test_ctl_place_dry_run_places_every_example_model_on_a_recorded_fleet(
         assert {e.name for e in inv.engines.found} == {"vllm", "llama-server", "sglang"}
 
     cfg = loaded.cfg
-    registry = NodeRegistry(_policy(cfg), forget_after_s=cfg.forget_after_s)
-    registry.engines = loaded.catalog.engines
+    registry = NodeRegistry(
+        _policy(cfg), forget_after_s=cfg.forget_after_s, engines=loaded.catalog.engines
+    )
     for node, inv in fleet.items():
         await register(registry, node, inventory=inv)
     reconciler = Reconciler(registry, lambda: loaded.catalog.catalog)
@@ -303,8 +304,11 @@ async def test_the_fabrics_interface_reaches_the_two_node_engines_environment(
     loaded = await trio.to_thread.run_sync(load_like_llmgw_cp, server_yaml(tmp_path))
     gpu_agent = config.load(EXAMPLES / "agent.yaml", config.AgentConfig)
     assert gpu_agent.fabrics["ib-a"].interface == "ib0"
-    registry = NodeRegistry(_policy(loaded.cfg), forget_after_s=loaded.cfg.forget_after_s)
-    registry.engines = loaded.catalog.engines
+    registry = NodeRegistry(
+        _policy(loaded.cfg),
+        forget_after_s=loaded.cfg.forget_after_s,
+        engines=loaded.catalog.engines,
+    )
     # Both probed before either registers: a probe takes seconds, and a node registered
     # first would miss heartbeats meanwhile.
     fleet = {n: inventory(tmp_path / n, n, gpu_agent, "8xh100-80g") for n in ("gpu-1", "gpu-2")}
@@ -335,8 +339,7 @@ async def test_the_recorded_fleet_refuses_what_it_cannot_hold(tmp_path: Path) ->
     with the nodes' reasons, and the CPU model has nowhere to go without its CPU node."""
     loaded = await trio.to_thread.run_sync(load_like_llmgw_cp, server_yaml(tmp_path))
     gpu_agent = attrs.evolve(config.load(EXAMPLES / "agent.yaml", config.AgentConfig), fabrics={})
-    registry = NodeRegistry(_policy(loaded.cfg))
-    registry.engines = loaded.catalog.engines
+    registry = NodeRegistry(_policy(loaded.cfg), engines=loaded.catalog.engines)
     for node in ("gpu-1", "gpu-2"):
         inv = inventory(tmp_path / node, node, gpu_agent, "8xh100-80g")
         await register(registry, node, inventory=inv)
