@@ -12,6 +12,15 @@ from llmgw.core._attempt import (
 from llmgw.core._breaker import Breaker, BreakerConfig, BreakerEvent, BreakerState
 from llmgw.core._drain import DrainDecision, DrainingReplica, DrainInput, drain_model
 from llmgw.core._estimates import EngineReport, Estimates, learn
+from llmgw.core._facts import (
+    allocations,
+    engine_facts,
+    node_facts,
+    observed_shards,
+    placement_profile,
+    socket_interface,
+    weights_key,
+)
 from llmgw.core._liveness import (
     ConnectionLost,
     Event,
@@ -164,6 +173,7 @@ __all__ = [
     "TreeFile",
     "TreeLink",
     "Verdict",
+    "allocations",
     "attempt_verdict",
     "cache_name",
     "chain",
@@ -172,6 +182,7 @@ __all__ = [
     "classify_source",
     "decide",
     "drain_model",
+    "engine_facts",
     "explain",
     "guard_release_at",
     "head_outcome",
@@ -179,10 +190,15 @@ __all__ = [
     "learn",
     "may_delete",
     "next_shard_state",
+    "node_facts",
+    "observed_shards",
     "place",
+    "placement_profile",
     "plan_reclaim",
     "reconcile",
     "registered",
+    "socket_interface",
     "step",
     "wanted_cache_names",
+    "weights_key",
 ]

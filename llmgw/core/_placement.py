@@ -111,7 +111,7 @@ class NodeFacts:
     engines: frozenset[str] | None = None
     # What the node says of an engine it cannot run yet, for the refusal: (name, words),
     # "installing: downloading llama-b6123-bin-cpu-x86_64.tar.gz (16 MB)", "failed: ...",
-    # or "has llama-server b6000, needs b6123" (llmgw.cp._reconciler.engine_facts).
+    # or "has llama-server b6000, needs b6123" (llmgw/core/_facts.py, engine_facts).
     engine_words: tuple[tuple[str, str], ...] = ()
     gpus: tuple[GpuFacts, ...] | None = None
     nvlinks: tuple[tuple[int, int, int], ...] = ()  # (gpu a, gpu b, link count)

@@ -2,7 +2,7 @@
 
 Every `interval_s` (and on every change) it turns the registry's shard
 reports into observations, asks `core.reconcile` what to do, places each Start
-with `core.place` (the weights keyed and sized as `weights_key` and `sizes` say:
+with `core.place` (the weights keyed and sized as `core.weights_key` and `sizes` say:
 a fetched source's cache name, its size from llmgw/cp/_sizes.py), and sends
 start/stop commands through the agents'
 capabilities. Decide, then act: a pass plans synchronously, hands each start
@@ -29,7 +29,6 @@ for the fleet to register with it before it acts.
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 from collections.abc import Callable, Sequence
 
@@ -50,12 +49,11 @@ from llmgw.cp._catalog import Catalog, CatalogModel, Profile, engine_profile, fi
 from llmgw.cp._registry import NodeRecord, NodeRegistry
 from llmgw.cp._shards import PORTS, free_port, ports_taken, to_shard_spec
 from llmgw.cp._sizes import Measuring
-from llmgw.errors import ConfigError, DeadlineExceeded, LlmgwError, StaleEpoch
+from llmgw.errors import DeadlineExceeded, LlmgwError, StaleEpoch
 
 log = logging.getLogger("llmgw.cp.reconciler")
 
 RENDEZVOUS_PORTS = (29500, 29999)
-FOREIGN_MEMORY_LIMIT_MIB = 1024  # a card with more held by others is not healthy for placement
 FAILED_START_VISIBLE_S = 600.0  # a start that never reached its agent stays in `replicas()`
 
 
@@ -182,26 +180,7 @@ class Reconciler:
     # observe -----------------------------------------------------------------------------
 
     def observe(self) -> tuple[list[ObservedShard], dict[str, str]]:
-        shards = []
-        states = {}
-        for rec in self._registry.records():
-            states[rec.node_id] = rec.liveness.state.value
-            for s in rec.shards:
-                shards.append(
-                    ObservedShard(
-                        node_id=rec.node_id,
-                        node_state=rec.liveness.state.value,
-                        shard_id=s.shard_id,
-                        state=s.state,
-                        replica_id=s.replica_id,
-                        model_name=s.model_name,
-                        rank=s.rank,
-                        ranks=s.ranks,
-                        fingerprint=s.profile_fingerprint,
-                        reason=s.reason,
-                    )
-                )
-        return shards, states
+        return core.observed_shards(self._registry.records())
 
     def desired(self, catalog: Catalog) -> list[DesiredModel]:
         out = []
@@ -405,7 +384,7 @@ class Reconciler:
         out = []
         for rec in self._registry.records():
             facts = attrs.evolve(
-                node_facts(rec, self._registry.engines), cordoned=rec.node_id in held
+                core.node_facts(rec, self._registry.engines), cordoned=rec.node_id in held
             )
             if self._silent_since_unanswered(rec):
                 facts = attrs.evolve(facts, ready=False, state="did not answer the last call")
@@ -424,25 +403,9 @@ class Reconciler:
         return True
 
     def allocations(self) -> core.Allocations:
-        gpus: dict[str, frozenset[int]] = {}
-        cpu: dict[str, int] = {}
-        for rec in self._registry.records():
-            index = {g.uuid: g.index for g in rec.inventory.gpus or ()}
-            reported = {s.shard_id for s in rec.shards}
-            # Starts in flight hold their cards too: the next pass must not give them again.
-            flying = [
-                spec
-                for p in self._pending.values()
-                for node_id, spec in p.ranks
-                if node_id == rec.node_id and spec.shard_id not in reported
-            ]
-            used = {index[u] for s in rec.shards for u in s.gpus if u in index}
-            used |= {index[u] for spec in flying for u in spec.gpus if u in index}
-            gpus[rec.node_id] = frozenset(used)
-            cpu[rec.node_id] = sum(1 for s in rec.shards if not s.gpus) + sum(
-                1 for spec in flying if not spec.gpus
-            )
-        return core.Allocations(gpus=gpus, cpu_replicas=cpu)
+        # Starts in flight hold their cards too: the next pass must not give them again.
+        flying = [rank for p in self._pending.values() for rank in p.ranks]
+        return core.allocations(self._registry.records(), flying)
 
     def placer(self) -> core.Placer:
         """The fleet indexed once; place several replicas with it, adding each."""
@@ -454,7 +417,7 @@ class Reconciler:
         placer = placer or self.placer()
         reasons: list[str] = []
         for i, profile in enumerate(m.profiles):
-            result = placer.place(placement_profile(m, profile, self._weights_bytes(m.source)))
+            result = placer.place(core.placement_profile(m, profile, self._weights_bytes(m.source)))
             if isinstance(result, core.Placement):
                 return profile, result
             prefix = f"profile {i} ({profile.engine}, {profile.gpu_class or 'cpu'}): "
@@ -584,7 +547,7 @@ class Reconciler:
                 port=port,
                 rendezvous_port=rendezvous,
                 fabric_adapters=tuple(r.fabric_adapters),
-                socket_interface=_interface(rec, where.fabric),
+                socket_interface=core.socket_interface(rec, where.fabric),
             )
             launch = engines.plan_launch(eprofile, assignment)
             spec = to_shard_spec(f"{replica_id}.{r.rank}", eprofile, launch, fingerprint=fp)
@@ -618,175 +581,3 @@ class Reconciler:
 
     def unplaced(self) -> list[Unplaced]:
         return list(self._unplaced.values())
-
-
-def _interface(rec: NodeRecord, fabric: str | None) -> str | None:
-    """The socket interface this node names for the fabric placement chose (agent.yaml's
-    `fabrics.<name>.interface`, carried in its inventory); None: none chosen or named."""
-    if fabric is None:
-        return None
-    return next((f.interface for f in rec.inventory.fabrics if f.name == fabric), None)
-
-
-def _fetched(source: str) -> bool:
-    try:
-        return core.classify_source(source).fetched
-    except ConfigError:
-        return False  # the catalog refuses it elsewhere; nothing is fetched for it
-
-
-def weights_key(source: str) -> str:
-    """What placement calls a source's weights (`PlacementProfile.model`, and what
-    `node_facts` says a node holds): a fetched source's cache name, else the source
-    as written (a local path, a hub id)."""
-    return core.cache_name(source) if _fetched(source) else source
-
-
-def placement_profile(
-    m: CatalogModel, p: Profile, weights_bytes: int | None = None
-) -> core.PlacementProfile:
-    """`weights_bytes`: the source's size when it is fetched and known; None otherwise
-    (a local path or a hub id: nothing to fetch, nothing to refuse)."""
-    fetched = _fetched(m.source)
-    return core.PlacementProfile(
-        model=weights_key(m.source),
-        engine=p.engine,
-        gpu_class=p.gpu_class,
-        gpus_per_node=p.cards,
-        nodes=p.nodes,
-        min_memory_gb=p.min_memory_gb,
-        node_selector=tuple(sorted(p.node_selector.items())),
-        fabric=p.fabric,
-        weights_bytes=weights_bytes if fetched else None,
-    )
-
-
-def _gpu_healthy(g: model.Gpu, usage: model.GpuUsage | None) -> bool:
-    """No uncorrected ECC errors, and no more than the limit held by others.
-
-    The newest heartbeat's reading wins over the registration's; a reading the
-    heartbeat lacks (absent: not measured) falls back to the registration's.
-    """
-    ecc = usage.ecc_uncorrected if usage is not None else None
-    if ecc is None:
-        ecc = g.ecc_uncorrected
-    foreign = usage.foreign_memory_mib if usage is not None else None
-    if foreign is None:
-        foreign = g.foreign_memory_mib
-    return not ecc and (foreign or 0) <= FOREIGN_MEMORY_LIMIT_MIB
-
-
-# A percentage changes with every heartbeat of a download: placement's refusal names
-# what the node is doing, not how far it is (`ctl nodes` shows that).
-_PERCENT = re.compile(r"(?:, )?\d+(?:\.\d+)? ?%(?=\))|\s*\(\d+(?:\.\d+)? ?%\)")
-
-
-def engine_facts(
-    engines: model.Engines | None, declared: model.EngineDecls | None
-) -> tuple[frozenset[str] | None, tuple[tuple[str, str], ...]]:
-    """The engines a node can run for placement, and its words about the others.
-
-    Found and, when the control plane declares that engine, either configured by the
-    operator (agent.yaml's word wins) or at the declared version. The words: what the
-    agent says of an engine it is still installing ("installing: downloading ..."), or
-    that the one it has is another version ("has llama-server b6000, needs b6123")."""
-    if engines is None:
-        return None, ()
-    wanted = {d.name: d.version for d in declared.engines} if declared is not None else {}
-    runnable: set[str] = set()
-    words: dict[str, str] = {}
-    for e in engines.found:
-        need = wanted.get(e.name)
-        if need is None or e.state == "configured" or e.version == need:
-            runnable.add(e.name)
-        else:
-            has = f" {e.version}" if e.version else " (version unknown)"
-            words.setdefault(e.name, f"has {e.name}{has}, needs {need}")
-    for p in engines.pending:
-        if p.name in runnable:
-            continue
-        detail = _PERCENT.sub("", p.detail).strip()
-        words[p.name] = f"{p.state}: {detail}" if detail else p.state
-    said = tuple(sorted((n, w) for n, w in words.items() if n not in runnable))
-    return frozenset(runnable), said
-
-
-def node_facts(rec: NodeRecord, declared: model.EngineDecls | None = None) -> core.NodeFacts:
-    inv = rec.inventory
-    runnable, engine_words = engine_facts(inv.engines, declared)
-    gpus = None
-    if inv.gpus is not None:
-        usage = {u.index: u for u in inv.usage.gpus}
-        gpus = tuple(
-            core.GpuFacts(
-                index=g.index,
-                uuid=g.uuid,
-                gpu_class=g.gpu_class,
-                healthy=_gpu_healthy(g, usage.get(g.index)),
-                numa_node=g.numa_node,
-            )
-            for g in inv.gpus
-        )
-    own = [f for f in inv.usage.filesystems if not f.shared and f.free_bytes is not None]
-    disk = max((f.free_bytes or 0 for f in own), default=None) if own else None
-    weights_dir = inv.weights.dir if inv.weights is not None else None
-    if weights_dir is not None:
-        fs = _filesystem_of(inv.usage.filesystems, weights_dir)
-        if fs is not None and fs.free_bytes is not None:
-            disk = fs.free_bytes  # shared or not: it is where the fetch writes
-    topo = inv.topology
-    return core.NodeFacts(
-        node_id=rec.node_id,
-        address=rec.host,
-        ready=rec.liveness.state is core.NodeState.READY,
-        state=None if rec.liveness.state is core.NodeState.READY else rec.liveness.state.value,
-        labels=tuple((label.key, label.value) for label in inv.labels),
-        engines=runnable,
-        engine_words=engine_words,
-        gpus=gpus,
-        nvlinks=tuple((n.a, n.b, n.links) for n in topo.nvlinks) if topo else (),
-        nic_distance=tuple((d.gpu, d.nic, d.distance) for d in topo.nic_distances) if topo else (),
-        memory_total_bytes=inv.usage.memory_total_bytes,
-        disk_free_bytes=disk,
-        weights=_held(inv),
-        fabrics=tuple((f.name, tuple(f.adapters), f.rate_gbps) for f in inv.fabrics),
-        weights_dir=weights_dir,
-    )
-
-
-def _norm(path: str) -> str:
-    return path.rstrip("/") or "/"
-
-
-def _filesystem_of(
-    filesystems: Sequence[model.Filesystem], directory: str
-) -> model.Filesystem | None:
-    """The filesystem the agent says holds `directory` (one of its `paths`)."""
-    want = _norm(directory)
-    return next((f for f in filesystems if want in {_norm(p) for p in f.paths}), None)
-
-
-def _held(inv: model.Inventory) -> frozenset[str]:
-    """The weights keys the node holds (see `weights_key`): a local path when a file is
-    listed at or under it, and the cache name of each entry of its weights directory
-    (the agent lists only complete entries: files under `<dir>/<cache name>/`)."""
-    if inv.weights is None:
-        return frozenset()
-    files = inv.weights.files
-    held = frozenset(f.path for f in files) | frozenset(
-        str(p) for f in files for p in _parents(f.path)
-    )
-    if inv.weights.dir is None:
-        return held
-    prefix = _norm(inv.weights.dir).rstrip("/") + "/"
-    names = {
-        rest.split("/", 1)[0]
-        for f in files
-        if f.path.startswith(prefix) and "/" in (rest := f.path[len(prefix) :])
-    }
-    return held | frozenset(n for n in names if core.is_cache_name(n))
-
-
-def _parents(path: str) -> Sequence[str]:
-    parts = path.rstrip("/").split("/")
-    return ["/".join(parts[:i]) for i in range(2, len(parts))]

@@ -16,8 +16,9 @@ import trio
 import trio.testing
 
 from llmgw import core, model
+from llmgw.core import node_facts
 from llmgw.cp._catalog import Catalog, parse
-from llmgw.cp._reconciler import Reconciler, node_facts
+from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
 from llmgw.cp._store import open_store
 from llmgw.errors import DeadlineExceeded

@@ -19,8 +19,9 @@ import trio
 from helpers import register
 
 from llmgw import core, model
+from llmgw.core import node_facts, placement_profile, weights_key
 from llmgw.cp._catalog import Catalog, parse
-from llmgw.cp._reconciler import Reconciler, Unplaced, node_facts, placement_profile, weights_key
+from llmgw.cp._reconciler import Reconciler, Unplaced
 from llmgw.cp._registry import NodeRegistry
 from llmgw.cp._sizes import MEASURING, SourceSizes
 from llmgw.testing import fake_engine
