@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from llmgw import core, engines, model
+from llmgw import core, model
 from llmgw.core import (
     DesiredModel,
     ObservedShard,
@@ -45,15 +45,15 @@ from llmgw.core import (
     Stop,
     guard_release_at,
 )
-from llmgw.cp._catalog import Catalog, CatalogModel, Profile, engine_profile, fingerprint
+from llmgw.cp._catalog import Catalog, CatalogModel, Profile, fingerprint
+from llmgw.cp._launch import shard_specs
 from llmgw.cp._registry import NodeRecord, NodeRegistry
-from llmgw.cp._shards import PORTS, free_port, ports_taken, to_shard_spec
+from llmgw.cp._shards import PORTS
 from llmgw.cp._sizes import Measuring
 from llmgw.errors import DeadlineExceeded, LlmgwError, StaleEpoch
 
 log = logging.getLogger("llmgw.cp.reconciler")
 
-RENDEZVOUS_PORTS = (29500, 29999)
 FAILED_START_VISIBLE_S = 600.0  # a start that never reached its agent stays in `replicas()`
 
 
@@ -452,7 +452,9 @@ class Reconciler:
         placer.add(where)  # the next placement of this pass sees these cards taken
         replica_id = f"{m.name}-{secrets.token_hex(3)}"
         records = {r.node_id: r for r in self._registry.records()}
-        specs = self._specs(m, profile, where, replica_id, records)
+        flying = [rank for p in self._pending.values() for rank in p.ranks]
+        specs = shard_specs(m, profile, where, replica_id, records, flying=flying,
+                            engine_ports=self._engine_ports)  # fmt: skip
         now = self._clock()
         log.info(
             "starting replica %s of %s on %s",
@@ -512,56 +514,6 @@ class Reconciler:
         )  # fmt: skip
         for node_id, shard_id in started:
             self._stop_soon(Stop(node_id, shard_id, f"replica {replica_id}: {failure}"))
-
-    def _specs(
-        self,
-        m: CatalogModel,
-        profile: Profile,
-        where: core.Placement,
-        replica_id: str,
-        records: dict[str, NodeRecord],
-    ) -> list[tuple[str, model.ShardSpec]]:
-        taken = ports_taken(records.values())
-        for p in self._pending.values():  # ports of starts in flight are taken too
-            for node_id, spec in p.ranks:
-                if node_id in records and spec.port is not None:
-                    taken.setdefault(records[node_id].host, set()).add(spec.port)
-        first, last = profile.port_range or self._engine_ports
-        leader_host = records[where.ranks[0].node_id].host
-        rendezvous = free_port(taken.get(leader_host, set()), *RENDEZVOUS_PORTS)
-        taken.setdefault(leader_host, set()).add(rendezvous)
-        addresses = tuple(records[r.node_id].host for r in where.ranks)
-        eprofile = engine_profile(m, profile)
-        fp = fingerprint(m, profile)
-        out = []
-        for r in where.ranks:
-            rec = records[r.node_id]
-            host = rec.host
-            port = free_port(taken.get(host, set()), first, last)
-            taken.setdefault(host, set()).add(port)
-            by_index = {g.index: g for g in rec.inventory.gpus or ()}
-            assignment = engines.Assignment(
-                rank=r.rank,
-                node_addresses=addresses,
-                gpus=tuple(by_index[i] for i in r.gpu_indexes),
-                port=port,
-                rendezvous_port=rendezvous,
-                fabric_adapters=tuple(r.fabric_adapters),
-                socket_interface=core.socket_interface(rec, where.fabric),
-            )
-            launch = engines.plan_launch(eprofile, assignment)
-            spec = to_shard_spec(f"{replica_id}.{r.rank}", eprofile, launch, fingerprint=fp)
-            spec = attrs.evolve(
-                spec,
-                replica_id=replica_id,
-                model_name=m.name,
-                rank=r.rank,
-                ranks=len(where.ranks),
-                gpus=tuple(r.gpu_uuids),
-                source=m.source,
-            )
-            out.append((r.node_id, spec))
-        return out
 
     # views ---------------------------------------------------------------------------------
 
