@@ -38,6 +38,7 @@ NAMED = {
     "llmgw.host",
     "llmgw.router",
     "llmgw.rpc",
+    "llmgw.store",
     "llmgw.config",
     "llmgw.errors",
     "llmgw.keys",

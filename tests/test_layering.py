@@ -52,7 +52,9 @@ def test_pure_core_does_no_io() -> None:
 
 # What the source says is not all: an import of a sibling that imports trio
 # brings trio in too. Import each pure package alone and look at what came with it.
-NEVER_WITH_PURE = sorted(IO_MODULES - {"os", "pathlib"} | {"cattrs", "ruamel", "prometheus_client", "h11"})
+NEVER_WITH_PURE = sorted(
+    IO_MODULES - {"os", "pathlib"} | {"cattrs", "ruamel", "prometheus_client", "h11"}
+)
 
 
 def _loaded_with(package: str) -> list[str]:
@@ -88,6 +90,49 @@ def test_core_brings_no_io_module_with_it() -> None:
 
 def test_engines_bring_no_io_module_with_them() -> None:
     assert _loaded_with("llmgw.engines") == []
+
+
+def test_the_store_sits_below_the_control_plane_and_the_router() -> None:
+    # Router-only mode keeps its keys in the store, so the store imports neither.
+    offenders = {
+        str(p.relative_to(PACKAGE)): sorted(
+            n
+            for n in _llmgw_imports(p)
+            if n.startswith(("llmgw.cp", "llmgw.router", "llmgw.agent", "llmgw.ctl"))
+        )
+        for p in (PACKAGE / "store").rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+    # ... nor brings them in through a module it imports.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, llmgw.store\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('llmgw.cp', 'llmgw.router'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=PACKAGE.parent,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr
+
+
+def _llmgw_imports(path: Path) -> set[str]:
+    """The llmgw modules `path` imports from, relative imports resolved."""
+    rel = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    home = list(rel[:-1])  # the package the module is in (its own, for an __init__)
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = home[: len(home) - (node.level - 1)] if node.level else []
+            names.add(".".join(base + ([node.module] if node.module else [])))
+    return {n for n in names if n.startswith("llmgw.")}
 
 
 def test_the_os_release_parser_brings_no_io_module_with_it() -> None:

@@ -1,4 +1,4 @@
-"""The router's keys, read from the control plane's store (llmgw/cp/_store.py).
+"""The router's keys, read from the control plane's store (llmgw/store).
 
 `StoreKeys` is the router's KeyStore over a Store: a key is looked up by its
 secret's digest with its expiry and its tenant's limits (the account), which is
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from llmgw.cp._store import Store
 from llmgw.keys import ApiKey, digest
+from llmgw.store import Store
 
 
 class StoreKeys:

@@ -54,11 +54,11 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from llmgw import config
-from llmgw.cp._store import SQLITE_FILE, SqlStore, open_store
 from llmgw.errors import LlmgwError
 from llmgw.host.os_release import parse_os_release
 from llmgw.host.packages import PackageError, PackageInstaller, family
 from llmgw.host.run import run_bounded
+from llmgw.store import SQLITE_FILE, SqlStore, open_store
 
 log = logging.getLogger("llmgw.cp.init")
 

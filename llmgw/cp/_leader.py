@@ -53,7 +53,7 @@ import attrs
 import trio
 
 from llmgw import config
-from llmgw.cp._store import Lease
+from llmgw.store import Lease
 
 log = logging.getLogger("llmgw.cp.leader")
 
@@ -120,7 +120,7 @@ def advertised(cfg: config.ServerConfig, fqdn: Callable[[], str] = socket.getfqd
 
 
 class LeaseStore(Protocol):
-    """The part of the store leadership uses (llmgw/cp/_store.py)."""
+    """The part of the store leadership uses (llmgw/store)."""
 
     @property
     def shared(self) -> bool: ...

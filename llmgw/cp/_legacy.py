@@ -20,9 +20,9 @@ from typing import Any
 
 import trio
 
-from llmgw.cp._store import Account, Store
 from llmgw.errors import ConfigError
 from llmgw.keys import ApiKey
+from llmgw.store import Account, Store
 
 log = logging.getLogger("llmgw.cp.legacy")
 

@@ -53,7 +53,6 @@ from llmgw import config
 from llmgw._process import run_service, setup_logging
 from llmgw.cp._accounts import StoreKeys
 from llmgw.cp._admin import read_admin_key
-from llmgw.cp._store import open_store
 from llmgw.router import (
     Endpoint,
     EndpointSource,
@@ -64,6 +63,7 @@ from llmgw.router import (
     metrics_app,
     serve_http,
 )
+from llmgw.store import open_store
 
 log = logging.getLogger("llmgw.cp.workers")
 

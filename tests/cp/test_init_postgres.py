@@ -31,9 +31,9 @@ from llmgw.cp._init_pg import (
     make_dsn,
     psql_script,
 )
-from llmgw.cp._store import SQLITE_FILE, Account, open_store
 from llmgw.errors import UsageError
 from llmgw.keys import UsageRow, digest
+from llmgw.store import SQLITE_FILE, Account, open_store
 from llmgw.testing.cluster import LocalCluster, wait_for
 
 # --- pure parts ---------------------------------------------------------------------------

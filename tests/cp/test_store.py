@@ -13,16 +13,9 @@ import pytest
 import trio
 from helpers import postgres_server
 
-from llmgw.cp._store import (
-    SQLITE_FILE,
-    Account,
-    SqlStore,
-    UsageRow,
-    known_schema,
-    open_store,
-)
 from llmgw.errors import ConfigError, DeadlineExceeded, LlmgwError, PeerError, UsageError
-from llmgw.keys import TenantLimits, digest
+from llmgw.keys import TenantLimits, UsageRow, digest
+from llmgw.store import SQLITE_FILE, Account, SqlStore, known_schema, open_store
 
 
 @pytest.fixture(scope="session")
