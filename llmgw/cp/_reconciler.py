@@ -13,11 +13,9 @@ their ports), so no pass starts the same replica twice, and a start that
 failed or timed out stops counting as soon as its task ends. One agent that
 accepts a call and never answers holds up only its own task.
 
-After the control plane starts it does not act until every known node (the
-registry's list, kept in the state dir) has registered again, or `settle_s`
-has passed since the last registration (at most `SETTLE_MAX_FACTOR` times
-`settle_s` after the start): agents re-register first, and their replicas are
-adopted rather than started again.
+After the control plane starts it does not act until the fleet has registered
+again (the settle, llmgw/cp/_settle.py): agents re-register first, and their
+replicas are adopted rather than started again.
 
 It acts only while the registry may (`registry.acting()`: this control plane
 leads and is inside its lease, llmgw/cp/_leader.py): a standby's passes plan
@@ -43,11 +41,11 @@ from llmgw.core import (
     ReplicaView,
     Start,
     Stop,
-    guard_release_at,
 )
 from llmgw.cp._catalog import Catalog, CatalogModel, Profile, fingerprint
 from llmgw.cp._launch import shard_specs
 from llmgw.cp._registry import NodeRecord, NodeRegistry
+from llmgw.cp._settle import Settle
 from llmgw.cp._shards import PORTS
 from llmgw.cp._sizes import Measuring
 from llmgw.errors import DeadlineExceeded, LlmgwError, StaleEpoch
@@ -94,15 +92,11 @@ class Reconciler:
         # placement never refuses for disk.
         self.sizes = sizes
         self.interval_s = interval_s
-        self.settle_s = settle_s
+        self._settle = Settle(settle_s, clock)
         self.stop_grace_s = stop_grace_s
         self._clock = clock
         self.unhealthy_replace_s = unhealthy_replace_s
         self._engine_ports = engine_ports  # for a profile with no port_range
-        self._started_at: float | None = None
-        self._settled = False  # latches once the fleet has re-registered after our start
-        self._expected: frozenset[str] = frozenset()
-        self._settle_note: str | None = None
         self._guard_held_at: float | None = None  # the last pass that found the fleet away
         self._passes = 0
         self._first_seen: dict[str, float] = {}
@@ -134,7 +128,7 @@ class Reconciler:
         guard holds (most of the fleet away, or just back)."""
         return {
             "passes": self._passes,
-            "settling": int(not self._settled),
+            "settling": int(not self._settle.settled),
             "holding": int(self._last_plan.holding),
             "replicas": len(self._last_plan.replicas),
             "pending": len(self._pending),
@@ -149,10 +143,7 @@ class Reconciler:
     def elected(self) -> None:
         """This control plane took the lease: settle from now, waiting for the nodes known
         now (the store's, read at the election), and forget the last term's plans."""
-        self._started_at = self._clock()
-        self._settled = False
-        self._settle_note = None
-        self._expected = frozenset(self._registry.known)
+        self._settle.begin(self._registry.known)
         self._guard_held_at = None
         self._unanswered.clear()
         self._unhealthy_since.clear()
@@ -162,9 +153,7 @@ class Reconciler:
         self.poke()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._started_at = self._clock()
-        self._settled = False
-        self._expected = frozenset(self._registry.known)  # known before this start
+        self._settle.begin(self._registry.known)  # known before this start
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
@@ -217,49 +206,13 @@ class Reconciler:
             self.desired(self._catalog()), shards, states, self._first_seen, now,
             pending=pending, drain=self._drain_input(shards),
             unhealthy_since=self._unhealthy_since, unhealthy_replace_s=self.unhealthy_replace_s,
-            guard_held_at=self._guard_held_at, ready_since=ready_since, settle_s=self.settle_s,
+            guard_held_at=self._guard_held_at, ready_since=ready_since,
+            settle_s=self._settle.settle_s,
         )  # fmt: skip
         if plan.cut_off:
             self._guard_held_at = now
         self._note_retiring(plan, now)
         return plan
-
-    def settling(self) -> str | None:
-        """Why the reconciler does not act yet after its start, or None once it may.
-
-        Done when every known node has registered since the start, or `settle_s`
-        has passed since the last registration (or the start), capped at
-        `SETTLE_MAX_FACTOR` times `settle_s` after the start. Latches.
-        """
-        if self._settled or self._started_at is None:
-            return None
-        now = self._clock()
-        registered = {
-            rec.node_id: rec.registered_at
-            for rec in self._registry.records()
-            if rec.registered_at >= self._started_at
-        }
-        known = self._expected & self._registry.known  # a forgotten node is not waited for
-        missing = sorted(known - registered.keys())
-        release = guard_release_at(self._started_at, registered, self.settle_s)
-        if (known and not missing) or now >= release:
-            self._settled = True
-            if missing:
-                log.info(
-                    "settled after %.0f s: %d of %d known nodes registered; not yet: %s",
-                    now - self._started_at, len(known) - len(missing), len(known),
-                    ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else ""),
-                )  # fmt: skip
-            else:
-                log.info("settled after %.0f s: every known node registered",
-                         now - self._started_at)  # fmt: skip
-            return None
-        if not known:  # a first start, or a store that has no known nodes yet
-            return f"waiting {release - now:.0f} s for agents to register before acting"
-        return (
-            f"waiting for {len(missing)} of {len(known)} known nodes to register "
-            f"(at most {release - now:.0f} s more) before acting"
-        )
 
     # draining --------------------------------------------------------------------------------
 
@@ -298,11 +251,7 @@ class Reconciler:
                 for note in plan.notes:
                     log.warning("%s", note)
                 self._last_notes = plan.notes
-            waiting = self.settling()
-            if waiting is not None and self._settle_note is None:
-                log.info("%s", waiting)  # once; "settled ..." follows
-            self._settle_note = waiting
-            if waiting is None:
+            if self._settle.done(self._registry.records(), self._registry.known):
                 self._act(plan)
         finally:
             self._passes += 1
