@@ -11,7 +11,7 @@ goes); `python -m llmgw.router` is router-only mode.
 """
 
 from llmgw.router._hypercorn import serve as serve_hypercorn
-from llmgw.router._keys import CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
+from llmgw.router._keys import CachedKeys, KeyStore, StaticKeys, StoreKeys
 from llmgw.router._main import keep_worker, listener_limits, metrics_app
 from llmgw.router._router import (
     DEFAULT_BANDS,
@@ -37,9 +37,9 @@ __all__ = [
     "ListenerLimits",
     "Router",
     "RouterConfig",
-    "SqliteKeyStore",
     "StaticEndpoints",
     "StaticKeys",
+    "StoreKeys",
     "keep_worker",
     "listener_limits",
     "metrics_app",

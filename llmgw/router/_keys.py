@@ -1,7 +1,8 @@
 """API keys: who is calling, for which tenant, which models and priority bands.
 
-The values (`ApiKey`, `TenantLimits`, `digest`, `new_key`) live in `llmgw.keys`,
-shared with the control plane's store; here are the stores keys are kept in.
+The values (`ApiKey`, `TenantLimits`, `digest`, `new_key`) live in `llmgw.keys`
+and the keys themselves in the store (llmgw/store, `StoreKeys`) or a
+configuration file (`StaticKeys`); here is how the router reads them.
 Secrets are shown once, at creation; stores keep only their SHA-256. The router
 looks keys up through `CachedKeys`, so a request costs a dictionary lookup, not
 a store round trip; a revocation through the same `CachedKeys` takes effect at
@@ -10,26 +11,21 @@ once in this process, and within the cache's TTL in any other.
 
 from __future__ import annotations
 
-import json
 import logging
-import sqlite3
-import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Protocol
 
-import trio
-
 from llmgw.errors import ConfigError, LlmgwError, UsageError
-from llmgw.keys import ApiKey, digest, new_key
+from llmgw.keys import ApiKey, digest
+from llmgw.store import Store
 
 log = logging.getLogger("llmgw.router.keys")
 
 
 class KeyStore(Protocol):
-    """Where keys live: the control plane's store (llmgw/cp/_accounts.py StoreKeys), a
-    configuration file's static keys, or the standalone router's SQLite file. Async."""
+    """Where keys live: the store (`StoreKeys`: the control plane's, or router-only mode's
+    SQLite file) or a configuration file's static keys. Async."""
 
     async def create(
         self,
@@ -55,72 +51,20 @@ class KeyStore(Protocol):
         ...
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS api_keys (
-    key_id TEXT PRIMARY KEY,
-    secret_sha256 BLOB NOT NULL UNIQUE,
-    tenant TEXT NOT NULL,
-    models TEXT,
-    default_band TEXT NOT NULL,
-    max_band TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    revoked INTEGER NOT NULL DEFAULT 0,
-    name TEXT NOT NULL DEFAULT ''
-)
-"""
-_COLUMNS = "key_id, tenant, models, default_band, max_band, created_at, revoked, name"
+class StoreKeys:
+    """The KeyStore over the store's api_keys (llmgw/store), each key joined with its
+    tenant's account: its expiry and limits, which is what admission needs.
 
+    The control plane's router and its workers read the control plane's store
+    through it; router-only mode, the store in its `keys_db` SQLite file
+    (`open_sqlite_file`). Creating a key is the store's `create_key` either way.
+    """
 
-def _row_key(row: tuple[object, ...]) -> ApiKey:
-    key_id, tenant, models, default_band, max_band, created_at, revoked, name = row
-    return ApiKey(
-        key_id=str(key_id),
-        tenant=str(tenant),
-        models=None if models is None else frozenset(json.loads(str(models))),
-        default_band=str(default_band),
-        max_band=str(max_band),
-        created_at=float(created_at),  # type: ignore[arg-type]
-        revoked=bool(revoked),
-        name=str(name),
-    )
-
-
-class SqliteKeyStore:
-    """Keys in one SQLite file; every statement runs in a worker thread, off the event loop."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._db: sqlite3.Connection | None = None
+    def __init__(self, store: Store) -> None:
+        self.store = store
 
     def __repr__(self) -> str:
-        return f"<SqliteKeyStore {self.path}>"
-
-    def _connect(self) -> sqlite3.Connection:
-        if self._db is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA busy_timeout=5000")
-            db.execute(_SCHEMA)
-            self._db = db
-        return self._db
-
-    def _run(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
-        with self._lock:
-            try:
-                return self._connect().execute(sql, args).fetchall()
-            except sqlite3.Error as exc:
-                raise ConfigError(f"key store {self.path}: {exc}") from None
-
-    async def _call(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
-        return await trio.to_thread.run_sync(self._run, sql, args)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+        return f"<StoreKeys {self.store!r}>"
 
     async def create(
         self,
@@ -132,48 +76,23 @@ class SqliteKeyStore:
         name: str = "",
         expires_at: float | None = None,
     ) -> tuple[ApiKey, str]:
-        if expires_at is not None:
-            raise UsageError(
-                f"{self.path}: this key file keeps no expiry; keys that expire live in the "
-                "control plane's store"
-            )
-        key, secret = new_key(
-            tenant=tenant, models=models, default_band=default_band, max_band=max_band, name=name
+        return await self.store.create_key(
+            tenant=tenant,
+            models=models,
+            default_band=default_band,
+            max_band=max_band,
+            name=name,
+            expires_at=expires_at,
         )
-        await self._call(
-            f"INSERT INTO api_keys (secret_sha256, {_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
-            (
-                digest(secret),
-                key.key_id,
-                key.tenant,
-                None if key.models is None else json.dumps(sorted(key.models)),
-                key.default_band,
-                key.max_band,
-                key.created_at,
-                0,
-                key.name,
-            ),
-        )
-        log.info("API key %s created for tenant %s", key.key_id, tenant)
-        return key, secret
 
     async def list(self) -> list[ApiKey]:
-        rows = await self._call(f"SELECT {_COLUMNS} FROM api_keys ORDER BY created_at, key_id")
-        return [_row_key(r) for r in rows]
+        return [k.key for k in await self.store.list_keys()]
 
     async def revoke(self, key_id: str) -> bool:
-        rows = await self._call(
-            "UPDATE api_keys SET revoked = 1 WHERE key_id = ? RETURNING key_id", (key_id,)
-        )
-        if rows:
-            log.info("API key %s revoked", key_id)
-        return bool(rows)
+        return await self.store.revoke_key(key_id)
 
     async def lookup(self, secret: str) -> ApiKey | None:
-        rows = await self._call(
-            f"SELECT {_COLUMNS} FROM api_keys WHERE secret_sha256 = ?", (digest(secret),)
-        )
-        return _row_key(rows[0]) if rows else None
+        return await self.store.lookup_key(digest(secret))
 
 
 class StaticKeys:

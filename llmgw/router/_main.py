@@ -24,7 +24,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,10 @@ from llmgw.errors import ConfigError, LlmgwError
 from llmgw.keys import ApiKey
 from llmgw.router import _hypercorn as _hc
 from llmgw.router import _request_id, _server
-from llmgw.router._keys import CachedKeys, KeyStore, SqliteKeyStore, StaticKeys
+from llmgw.router._keys import CachedKeys, KeyStore, StaticKeys, StoreKeys
 from llmgw.router._router import Router, RouterConfig
 from llmgw.router._types import Endpoint, StaticEndpoints
+from llmgw.store import open_sqlite_file
 
 log = logging.getLogger("llmgw.router")
 
@@ -205,6 +207,18 @@ class _ChainedKeys:
         return self._first.lookup_now(secret) or await self._then.lookup(secret)
 
 
+@asynccontextmanager
+async def open_keys_db(path: Path) -> AsyncIterator[StoreKeys]:
+    """The keys in a keys database: the store (llmgw/store) on that one SQLite file,
+    opened and migrated (a key file of an older router is migrated in), then closed."""
+    db = await open_sqlite_file(path)
+    try:
+        yield StoreKeys(db)
+    finally:
+        with trio.CancelScope(shield=True):
+            await db.aclose()
+
+
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -283,11 +297,6 @@ async def serve(
     """Serve the router; with `router_cfg.workers` > 1, as worker `worker` of them, on
     `port` (the supervisor's, shared with SO_REUSEPORT) and metrics on metrics_listen's
     port + `worker`. A worker stops when its supervisor is gone."""
-    keys: KeyStore = static_keys(file_cfg.keys)
-    db: SqliteKeyStore | None = None
-    if file_cfg.keys_db is not None:
-        db = SqliteKeyStore(file_cfg.keys_db)
-        keys = _ChainedKeys(static_keys(file_cfg.keys), db) if file_cfg.keys else db
     admin_key = None
     if file_cfg.admin_key_file is not None:
         try:
@@ -297,54 +306,57 @@ async def serve(
             raise ConfigError(f"admin_key_file: {where}: {exc.strerror or exc}") from None
         if admin_key is None:
             raise ConfigError(f"admin_key_file: {file_cfg.admin_key_file} is empty")
-    router = Router(
-        router_cfg,
-        StaticEndpoints(endpoints),
-        CachedKeys(keys, router_cfg.key_cache_ttl_s),
-        worker=worker,
-        admin_key=admin_key,
-    )
-    workers = router_cfg.workers
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(router.run)
-            limits = listener_limits(router_cfg)
-            if file_cfg.server == "hypercorn":
-                await nursery.start(
-                    partial(_hc.serve, send_timeout_s=limits.send_timeout_s),
-                    _hc.guard(router.app, limits),
-                    _hypercorn(file_cfg.listen, router_cfg),
+    async with AsyncExitStack() as stack:
+        keys: KeyStore = static_keys(file_cfg.keys)
+        if file_cfg.keys_db is not None:
+            stored = await stack.enter_async_context(open_keys_db(file_cfg.keys_db))
+            keys = _ChainedKeys(static_keys(file_cfg.keys), stored) if file_cfg.keys else stored
+        router = Router(
+            router_cfg,
+            StaticEndpoints(endpoints),
+            CachedKeys(keys, router_cfg.key_cache_ttl_s),
+            worker=worker,
+            admin_key=admin_key,
+        )
+        workers = router_cfg.workers
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(router.run)
+                limits = listener_limits(router_cfg)
+                if file_cfg.server == "hypercorn":
+                    await nursery.start(
+                        partial(_hc.serve, send_timeout_s=limits.send_timeout_s),
+                        _hc.guard(router.app, limits),
+                        _hypercorn(file_cfg.listen, router_cfg),
+                    )
+                else:
+                    host, listen_port = config.split_host_port(file_cfg.listen)
+                    listen_port = await nursery.start(
+                        partial(_server.serve, limits=limits, reuse_port=workers > 1),
+                        router.app,
+                        host,
+                        listen_port if port is None else port,
+                    )
+                metrics_at = ""
+                if file_cfg.metrics_listen:
+                    host, mport = config.split_host_port(file_cfg.metrics_listen)
+                    mport = await nursery.start(
+                        _server.serve, metrics_app(router), host, mport + worker if mport else 0
+                    )
+                    metrics_at = f"; metrics on http://{host}:{mport}/metrics"
+                if workers > 1:
+                    nursery.start_soon(_exit_with_parent, os.getppid(), nursery.cancel_scope)
+                log.info(
+                    "router listening on http://%s for %d endpoints of %d models%s%s",
+                    file_cfg.listen if port is None else f"{host}:{port}",
+                    len(endpoints),
+                    len({e.model for e in endpoints}),
+                    metrics_at,
+                    f" (worker {worker} of {workers}, pid {os.getpid()})" if workers > 1 else "",
                 )
-            else:
-                host, listen_port = config.split_host_port(file_cfg.listen)
-                listen_port = await nursery.start(
-                    partial(_server.serve, limits=limits, reuse_port=workers > 1),
-                    router.app,
-                    host,
-                    listen_port if port is None else port,
-                )
-            metrics_at = ""
-            if file_cfg.metrics_listen:
-                host, mport = config.split_host_port(file_cfg.metrics_listen)
-                mport = await nursery.start(
-                    _server.serve, metrics_app(router), host, mport + worker if mport else 0
-                )
-                metrics_at = f"; metrics on http://{host}:{mport}/metrics"
-            if workers > 1:
-                nursery.start_soon(_exit_with_parent, os.getppid(), nursery.cancel_scope)
-            log.info(
-                "router listening on http://%s for %d endpoints of %d models%s%s",
-                file_cfg.listen if port is None else f"{host}:{port}",
-                len(endpoints),
-                len({e.model for e in endpoints}),
-                metrics_at,
-                f" (worker {worker} of {workers}, pid {os.getpid()})" if workers > 1 else "",
-            )
-            task_status.started(router)
-    finally:
-        router.close()
-        if db is not None:
-            db.close()
+                task_status.started(router)
+        finally:
+            router.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -517,9 +529,12 @@ def keys_main(argv: list[str]) -> int:
     revoke = sub.add_parser("revoke", help="revoke a key by id")
     revoke.add_argument("key_id")
     ns = parser.parse_args(argv)
-    store = SqliteKeyStore(ns.db)
 
     async def run() -> int:
+        async with open_keys_db(ns.db) as store:
+            return await command(store)
+
+    async def command(store: StoreKeys) -> int:
         if ns.command == "create":
             key, secret = await store.create(
                 tenant=ns.tenant,
@@ -548,5 +563,3 @@ def keys_main(argv: list[str]) -> int:
     except LlmgwError as exc:
         print(f"llmgw-router keys: {exc}", file=sys.stderr)
         return 1
-    finally:
-        store.close()

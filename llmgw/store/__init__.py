@@ -4,7 +4,8 @@ Accounts (tenants) and API keys (hashed), node overrides, known nodes, the
 leader lease and its epoch, an audit log of operator actions and hourly usage;
 not what runs: the fleet is authoritative for that. Its users depend on the
 `Store` Protocol; `SqlStore` is it on one backend, opened by `open_store` (the
-control plane's, server.yaml `store:` through `store_location`).
+control plane's, server.yaml `store:` through `store_location`) or
+`open_sqlite_file` (router-only mode's `keys_db`).
 
 It sits below the control plane and the router, which both open it, and
 imports neither: values (`_values.py`), schema and migrations (`_schema.py`),
@@ -13,7 +14,7 @@ connections (`_backends.py`), one repository per resource composed by
 """
 
 from llmgw.store._schema import known_schema
-from llmgw.store._store import SQLITE_FILE, SqlStore, open_store, store_location
+from llmgw.store._store import SQLITE_FILE, SqlStore, open_sqlite_file, open_store, store_location
 from llmgw.store._values import (
     OVERRIDE_KINDS,
     Account,
@@ -39,6 +40,7 @@ __all__ = [
     "StoreDump",
     "StoredKey",
     "known_schema",
+    "open_sqlite_file",
     "open_store",
     "store_location",
 ]

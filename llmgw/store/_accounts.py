@@ -159,6 +159,8 @@ class AccountStore:
         rows = await self._run.q(
             "UPDATE api_keys SET revoked = 1 WHERE key_id = ? RETURNING key_id", (key_id,)
         )
+        if rows:
+            log.info("API key %s revoked", key_id)
         return bool(rows)
 
     async def lookup_key(self, secret_digest: bytes) -> ApiKey | None:

@@ -5,6 +5,14 @@ each one applied. They run at open inside one transaction (on PostgreSQL under
 an advisory lock, on SQLite under BEGIN IMMEDIATE), so two processes opening the
 same store at once apply each step once. A store whose schema is newer than
 this code knows is refused.
+
+Version 0 with rows: before the store, router-only mode kept its keys in a
+SQLite file of its own (`keys_db`, the router's SqliteKeyStore): one `api_keys`
+table, the store's columns less `expires_at`, and no `schema_version`. Opened
+as a store, that table is set aside, the migrations create the store's
+tables, and its keys are copied in (never expiring) before it is dropped, all
+in the one transaction: the keys keep their ids, secret digests and
+revocations, and an interrupted open leaves the old file as it was.
 """
 
 from __future__ import annotations
@@ -98,10 +106,20 @@ class Schema:
 
     migrations: tuple[str, ...]
     lock: str | None  # a statement that serializes migrators, run first in the transaction
+    # SQLite: a version-0 file may be router-only mode's key file of before (module docstring).
+    takes_old_router_keys: bool
 
 
-SQLITE = Schema(_SQLITE_MIGRATIONS, None)
-POSTGRES = Schema(_PG_MIGRATIONS, f"SELECT pg_advisory_xact_lock({_PG_MIGRATE_LOCK})")
+SQLITE = Schema(_SQLITE_MIGRATIONS, None, takes_old_router_keys=True)
+POSTGRES = Schema(
+    _PG_MIGRATIONS, f"SELECT pg_advisory_xact_lock({_PG_MIGRATE_LOCK})", takes_old_router_keys=False
+)
+
+# What SqliteKeyStore's api_keys held; the store's api_keys has these and expires_at.
+_OLD_KEY_COLUMNS = (
+    "key_id, secret_sha256, tenant, models, default_band, max_band, created_at, revoked, name"
+)
+_OLD_KEYS_ASIDE = "api_keys_before_store"
 
 
 def known_schema(backend: str) -> int:
@@ -119,9 +137,29 @@ def _too_new(where: str, found: int, known: int) -> ConfigError:
     )
 
 
+def _set_aside_old_router_keys(run: Exec) -> bool:
+    """Rename a version-0 file's api_keys out of migration 1's way; whether there was one."""
+    if not run("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'api_keys'"):
+        return False
+    run(f"ALTER TABLE api_keys RENAME TO {_OLD_KEYS_ASIDE}")
+    return True
+
+
+def _take_old_router_keys(run: Exec) -> int:
+    """Copy the set-aside keys into the store's api_keys, then drop them; how many."""
+    run(
+        f"INSERT INTO api_keys ({_OLD_KEY_COLUMNS}, expires_at)"
+        f" SELECT {_OLD_KEY_COLUMNS}, NULL FROM {_OLD_KEYS_ASIDE}"
+    )
+    count = int(run(f"SELECT COUNT(*) FROM {_OLD_KEYS_ASIDE}")[0][0])
+    run(f"DROP TABLE {_OLD_KEYS_ASIDE}")
+    return count
+
+
 def migrate(backend: Backend, schema: Schema) -> int:
     """Bring the schema to the newest version; the version found before."""
     migrations: Sequence[str] = schema.migrations
+    taken: list[int] = []
 
     def step(run: Exec) -> int:
         if schema.lock is not None:
@@ -131,13 +169,23 @@ def migrate(backend: Backend, schema: Schema) -> int:
         found = int(found) if found is not None else 0
         if found > len(migrations):
             raise _too_new(backend.where, found, len(migrations))
+        old_keys = found == 0 and schema.takes_old_router_keys and _set_aside_old_router_keys(run)
         for version in range(found + 1, len(migrations) + 1):
             for sql in _statements(migrations[version - 1]):
                 run(sql)
             run("INSERT INTO schema_version (version) VALUES (?)", (version,))
+        if old_keys:
+            taken.append(_take_old_router_keys(run))
         return found
 
     found = backend.transaction(step)
     if found < len(migrations):
         log.info("store %s: schema %d -> %d", backend.where, found, len(migrations))
+    if taken:
+        log.info(
+            "store %s: %d API keys of the router's key file kept (a key file from before the"
+            " store; its keys never expire)",
+            backend.where,
+            taken[0],
+        )
     return found

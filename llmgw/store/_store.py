@@ -3,9 +3,10 @@
 Accounts and keys, nodes, audit, usage, the lease and moves each keep their
 own tables (their modules beside this one) and share one `Runner`, so they
 share one connection, one lock and one bound on every wait. `open_store`
-opens the control plane's store (a directory for SQLite, or a PostgreSQL DSN),
-migrating the schema to this llmgw's newest (llmgw/store/_schema.py) and
-refusing a newer one.
+opens the control plane's store (a directory for SQLite, or a PostgreSQL DSN);
+`open_sqlite_file` opens the store in one named SQLite file, as router-only
+mode keeps its keys (`keys_db`). Both migrate the schema to this llmgw's
+newest (llmgw/store/_schema.py) and refuse a newer one.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ SQLITE_FILE = "store.sqlite3"
 
 
 class SqlStore:
-    """The Store on one backend. Open with `open_store`."""
+    """The Store on one backend. Open with `open_store` or `open_sqlite_file`."""
 
     def __init__(self, backend: Backend, timeout_s: float) -> None:
         self._runner = runner = Runner(backend, timeout_s)
@@ -228,3 +229,9 @@ async def open_store(where: str | Path, *, timeout_s: float = 10.0) -> SqlStore:
     if isinstance(where, str) and where.startswith(("postgresql://", "postgres://")):  # noqa: ASYNC240
         return await _open(Postgres(where, timeout_s), POSTGRES, timeout_s)
     return await _open(Sqlite(Path(where) / SQLITE_FILE, timeout_s), SQLITE, timeout_s)
+
+
+async def open_sqlite_file(path: Path, *, timeout_s: float = 10.0) -> SqlStore:
+    """The store in the SQLite file `path` (made, with its directory, when missing), as
+    router-only mode keeps its keys; a key file from before the store is migrated in."""
+    return await _open(Sqlite(path, timeout_s), SQLITE, timeout_s)

@@ -1,5 +1,5 @@
 """Tenants, keys with expiry, usage and the audit log through the admin API
-(llmgw/cp/_admin/_tenants.py and _logs.py), on the store (llmgw/cp/_store.py) over SQLite
+(llmgw/cp/_admin/_tenants.py and _logs.py), on the store (llmgw/store) over SQLite
 and a real PostgreSQL started here."""
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from helpers import asgi_call as call
 from helpers import postgres_server, register
 
 from llmgw import core
-from llmgw.cp._accounts import StoreKeys
 from llmgw.cp._admin import AdminApp
 from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._store import SqlStore, open_store
 from llmgw.keys import TenantLimits, UsageRow, digest
-from llmgw.router._keys import CachedKeys
+from llmgw.router._keys import CachedKeys, StoreKeys
+from llmgw.store import SqlStore, open_store
 
 BANDS = {"interactive": 0, "batch": 1}
 

@@ -9,13 +9,15 @@ import re
 import sqlite3
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
+from router.test_keys import write_old_keys_db
 
 from llmgw.cp._legacy import import_legacy
-from llmgw.cp._store import SQLITE_FILE, open_store
 from llmgw.errors import ConfigError
-from llmgw.router._keys import SqliteKeyStore
+from llmgw.keys import new_key
+from llmgw.store import SQLITE_FILE, open_store
 from llmgw.testing.cluster import LocalCluster, wait_for
 
 
@@ -71,23 +73,19 @@ def test_cordon_drain_and_forget_survive_a_killed_control_plane(cluster: LocalCl
 def write_legacy(state_dir: Path) -> tuple[str, str, str]:
     """The three files an llmgw-cp before the store kept; (live key id, its secret, revoked
     key id)."""
-    import trio
-
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "overrides.json").write_text(
         json.dumps({"cordoned": {"old-1": "bad disk"}, "draining": {"old-2": "retire"}})
     )
     (state_dir / "known_nodes.json").write_text(json.dumps({"nodes": ["old-1", "old-2"]}))
 
-    async def keys() -> tuple[str, str, str]:
-        store = SqliteKeyStore(state_dir / "keys.sqlite")
-        live, secret = await store.create(tenant="acme", models=["chat"], name="ci")
-        gone, _ = await store.create(tenant="beta")
-        await store.revoke(gone.key_id)
-        store.close()
-        return live.key_id, secret, gone.key_id
-
-    return trio.run(keys)
+    live, secret = new_key(tenant="acme", models=["chat"], name="ci")
+    gone, gone_secret = new_key(tenant="beta")
+    # keys.sqlite was the router's SqliteKeyStore file, written here as it wrote it.
+    write_old_keys_db(
+        state_dir / "keys.sqlite", [(live, secret), (attrs.evolve(gone, revoked=True), gone_secret)]
+    )
+    return live.key_id, secret, gone.key_id
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ drives the same pages in tests/integration (helper P5's).
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -26,7 +27,8 @@ from llmgw.cp._pages._app import MAX_SESSIONS, SESSION_TTL_S
 from llmgw.cp._pages._view import DASH, chart
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
-from llmgw.router._keys import SqliteKeyStore
+from llmgw.router._keys import StoreKeys
+from llmgw.router._main import open_keys_db
 from llmgw.testing.cluster import LocalCluster
 
 KEY = "llmgw-admin-test-key"
@@ -64,11 +66,11 @@ def _inventory(node: str, *, cpu: float | None, warnings: tuple[str, ...] = ()) 
 
 
 class Fleet:
-    def __init__(self, tmp_path: Path, history: History | None = None) -> None:
+    def __init__(self, tmp_path: Path, keys: StoreKeys, history: History | None = None) -> None:
         self.registry = NodeRegistry(core.LivenessPolicy(), history=history)
         self.catalog = CatalogFile(tmp_path / "server.yaml", _catalog())
         self.reconciler = Reconciler(self.registry, lambda: self.catalog.catalog)
-        self.keys = SqliteKeyStore(tmp_path / "keys.db")
+        self.keys = keys
         self.admin = AdminApp(self.registry, KEY, reconciler=self.reconciler,
                               catalog=self.catalog, keys=self.keys)  # fmt: skip
         self.mirror = tmp_path / "mirror"
@@ -105,8 +107,15 @@ def _cell(html: str, row: str, field: str) -> str:
 
 
 @pytest.fixture
-def fleet(tmp_path: Path) -> Fleet:
-    return Fleet(tmp_path)
+async def keys(tmp_path: Path) -> AsyncIterator[StoreKeys]:
+    """Router-only mode's keys: the store on one SQLite file."""
+    async with open_keys_db(tmp_path / "keys.db") as keys:
+        yield keys
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path, keys: StoreKeys) -> Fleet:
+    return Fleet(tmp_path, keys)
 
 
 # --- login, cookie, CSRF --------------------------------------------------------------
@@ -299,10 +308,12 @@ async def test_the_node_page_shows_figures_and_one_chart_per_series(fleet: Fleet
     assert missing.status_code == 404 and "no node &#39;nope&#39;" in missing.text
 
 
-async def test_the_node_page_draws_its_charts_from_the_history_with_gaps(tmp_path: Path) -> None:
+async def test_the_node_page_draws_its_charts_from_the_history_with_gaps(
+    tmp_path: Path, keys: StoreKeys
+) -> None:
     now = [1000.0]
     history = History(clock=lambda: now[0], wall=lambda: now[0])
-    fleet = Fleet(tmp_path, history=history)
+    fleet = Fleet(tmp_path, keys, history=history)
     await register(fleet.registry, "n1", inventory=_inventory("n1", cpu=10.0))
     gpu = model.GpuUsage(0, memory_used_mib=1024, utilization_pct=90.0)
     for cpu, gpus in ((20.0, (gpu,)), (None, (gpu,)), (None, ()), (40.0, (gpu,))):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -11,26 +12,27 @@ import httpx
 import pytest
 
 from llmgw.errors import ConfigError, UsageError
-from llmgw.keys import ApiKey
-from llmgw.router._keys import CachedKeys, SqliteKeyStore, StaticKeys
+from llmgw.keys import ApiKey, digest
+from llmgw.router._keys import CachedKeys, StaticKeys
+from llmgw.router._main import open_keys_db
+from llmgw.store import known_schema
 from router.conftest import FakeEngine, serve_router
 
 
-async def test_sqlite_store_keeps_only_hashes(tmp_path: Path) -> None:
+async def test_the_keys_db_keeps_only_hashes(tmp_path: Path) -> None:
     db = tmp_path / "state" / "keys.db"
-    store = SqliteKeyStore(db)
-    key, secret = await store.create(
-        tenant="acme",
-        models=["chat", "embed"],
-        default_band="batch",
-        max_band="interactive",
-        name="ci",
-    )
+    async with open_keys_db(db) as store:
+        key, secret = await store.create(
+            tenant="acme",
+            models=["chat", "embed"],
+            default_band="batch",
+            max_band="interactive",
+            name="ci",
+        )
     assert secret.startswith("llmgw-") and len(secret) > 40
     assert key.tenant == "acme"
     assert key.models == frozenset({"chat", "embed"})
     assert (key.default_band, key.max_band, key.name) == ("batch", "interactive", "ci")
-    store.close()
 
     raw = db.read_bytes() + (
         db.with_name("keys.db-wal").read_bytes() if db.with_name("keys.db-wal").exists() else b""
@@ -39,43 +41,130 @@ async def test_sqlite_store_keeps_only_hashes(tmp_path: Path) -> None:
     rows = sqlite3.connect(db).execute("SELECT secret_sha256 FROM api_keys").fetchall()
     assert rows == [(hashlib.sha256(secret.encode()).digest(),)]
 
-    again = SqliteKeyStore(db)  # a new process's view: everything came from the file
-    assert await again.lookup(secret) == key
-    assert await again.lookup(secret + "x") is None
-    everything, _ = await again.create(tenant="other")
-    assert everything.models is None and everything.max_band == "interactive"
-    assert [k.key_id for k in await again.list()] == [key.key_id, everything.key_id]
-    assert await again.revoke(key.key_id) is True
-    assert await again.revoke("key-nope") is False
-    revoked = await again.lookup(secret)
-    assert revoked is not None and revoked.revoked
-    again.close()
+    async with open_keys_db(db) as again:  # a new process's view: everything from the file
+        assert await again.lookup(secret) == key
+        assert await again.lookup(secret + "x") is None
+        everything, _ = await again.create(tenant="other")
+        assert everything.models is None and everything.max_band == "interactive"
+        assert [k.key_id for k in await again.list()] == [key.key_id, everything.key_id]
+        assert await again.revoke(key.key_id) is True
+        assert await again.revoke("key-nope") is False
+        revoked = await again.lookup(secret)
+        assert revoked is not None and revoked.revoked
 
 
 async def test_cache_serves_lookups_and_revocation_is_immediate(tmp_path: Path) -> None:
-    store = SqliteKeyStore(tmp_path / "keys.db")
-    cached = CachedKeys(store, ttl_s=300)
-    key, secret = await cached.create(tenant="acme")
-    assert await cached.lookup(secret) == key
-    assert await cached.lookup(secret) == key
-    assert cached.statistics()["hits"] == 1 and cached.statistics()["misses"] == 1
+    async with (
+        open_keys_db(tmp_path / "keys.db") as store,
+        open_keys_db(tmp_path / "keys.db") as other,
+    ):
+        cached = CachedKeys(store, ttl_s=300)
+        key, secret = await cached.create(tenant="acme")
+        assert await cached.lookup(secret) == key
+        assert await cached.lookup(secret) == key
+        assert cached.statistics()["hits"] == 1 and cached.statistics()["misses"] == 1
 
-    # Another process revokes it: this cache notices only after its TTL ...
-    other = SqliteKeyStore(tmp_path / "keys.db")
-    await other.revoke(key.key_id)
-    assert await cached.lookup(secret) == key
-    # ... but a revocation through this cache takes effect at once.
-    key2, secret2 = await cached.create(tenant="acme")
-    assert await cached.lookup(secret2) == key2
-    assert await cached.revoke(key2.key_id) is True
-    assert await cached.lookup(secret2) is None
-    # Unknown secrets are remembered briefly too, so a flood does not hit the store each time.
-    assert await cached.lookup("llmgw-made-up") is None
-    misses = cached.statistics()["misses"]
-    assert await cached.lookup("llmgw-made-up") is None
-    assert cached.statistics()["misses"] == misses
-    store.close()
-    other.close()
+        # Another process revokes it: this cache notices only after its TTL ...
+        await other.revoke(key.key_id)
+        assert await cached.lookup(secret) == key
+        # ... but a revocation through this cache takes effect at once.
+        key2, secret2 = await cached.create(tenant="acme")
+        assert await cached.lookup(secret2) == key2
+        assert await cached.revoke(key2.key_id) is True
+        assert await cached.lookup(secret2) is None
+        # Unknown secrets are remembered briefly too, so a flood does not hit the store.
+        assert await cached.lookup("llmgw-made-up") is None
+        misses = cached.statistics()["misses"]
+        assert await cached.lookup("llmgw-made-up") is None
+        assert cached.statistics()["misses"] == misses
+
+
+# The keys database as a router before the store wrote it (its SqliteKeyStore): one
+# table, no expires_at, no schema_version. Frozen: this is what operators' files hold.
+OLD_KEYS_DB = """
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id TEXT PRIMARY KEY,
+    secret_sha256 BLOB NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    models TEXT,
+    default_band TEXT NOT NULL,
+    max_band TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked INTEGER NOT NULL DEFAULT 0,
+    name TEXT NOT NULL DEFAULT ''
+)
+"""
+
+
+def write_old_keys_db(path: Path, keys: list[tuple[ApiKey, str]]) -> None:
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(OLD_KEYS_DB)
+        for key, secret in keys:
+            db.execute(
+                "INSERT INTO api_keys (key_id, secret_sha256, tenant, models, default_band,"
+                " max_band, created_at, revoked, name) VALUES (?,?,?,?,?,?,?,?,?)",
+                (
+                    key.key_id,
+                    digest(secret),
+                    key.tenant,
+                    None if key.models is None else json.dumps(sorted(key.models)),
+                    key.default_band,
+                    key.max_band,
+                    key.created_at,
+                    int(key.revoked),
+                    key.name,
+                ),
+            )
+    finally:
+        db.close()
+
+
+async def test_a_keys_db_of_an_older_router_is_migrated_and_its_keys_still_work(
+    tmp_path: Path, start_engine: Callable[..., FakeEngine]
+) -> None:
+    db = tmp_path / "keys.db"
+    live = ApiKey(
+        "key-0ld11ve", "acme", frozenset({"chat"}), "batch", "interactive", 1.7e9, name="ci"
+    )
+    gone = ApiKey("key-0ldg0ne", "beta", None, "interactive", "interactive", 1.7e9 + 1, True)
+    write_old_keys_db(db, [(live, "llmgw-old-live"), (gone, "llmgw-old-gone")])
+
+    fe = start_engine("chat")
+    body = {"model": "chat", "messages": [{"role": "user", "content": "x"}]}
+    async with open_keys_db(db) as keys:
+        # Every field kept, and the keys never expire (the old file kept no expiry).
+        assert await keys.list() == [live, gone]
+        cached = CachedKeys(keys, ttl_s=300)
+        async with (
+            serve_router([fe.endpoint()], keys=cached) as r,
+            httpx.AsyncClient(timeout=30) as h,
+        ):
+            url = r.base_url + "/chat/completions"
+            ok = await h.post(url, headers={"Authorization": "Bearer llmgw-old-live"}, json=body)
+            assert ok.status_code == 200, ok.text
+            refused = await h.post(
+                url, headers={"Authorization": "Bearer llmgw-old-gone"}, json=body
+            )
+            assert refused.status_code == 401
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+        # The migrated file is the store's: a new key may expire.
+        made, _ = await keys.create(tenant="acme", expires_at=4e9)
+        assert made.expires_at == 4e9
+
+    with sqlite3.connect(db) as raw:
+        tables = {n for (n,) in raw.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        columns = {row[1] for row in raw.execute("PRAGMA table_info(api_keys)")}
+        versions = [v for (v,) in raw.execute("SELECT version FROM schema_version ORDER BY 1")]
+    assert {"api_keys", "accounts", "lease", "schema_version"} <= tables
+    assert "api_keys_before_store" not in tables
+    assert "expires_at" in columns
+    assert versions == list(range(1, known_schema("sqlite") + 1))
+
+    async with open_keys_db(db) as again:  # opened again: migrated once, nothing lost
+        assert [k.key_id for k in await again.list()] == [live.key_id, gone.key_id, made.key_id]
+        assert await again.lookup("llmgw-old-live") == live
 
 
 async def test_static_keys_are_read_only() -> None:
@@ -93,20 +182,22 @@ async def test_a_revoked_key_is_refused_by_the_router_at_once(
     tmp_path: Path, start_engine: Callable[..., FakeEngine]
 ) -> None:
     fe = start_engine("chat")
-    store = SqliteKeyStore(tmp_path / "keys.db")
-    cached = CachedKeys(store, ttl_s=300)
-    key, secret = await cached.create(tenant="acme", models=["chat"])
     body = {"model": "chat", "messages": [{"role": "user", "content": "x"}]}
-    async with serve_router([fe.endpoint()], keys=cached) as r, httpx.AsyncClient(timeout=30) as h:
-        url = r.base_url + "/chat/completions"
-        auth = {"Authorization": f"Bearer {secret}"}
-        assert (await h.post(url, headers=auth, json=body)).status_code == 200
-        assert r.router.keys is cached
-        await cached.revoke(key.key_id)
-        refused = await h.post(url, headers=auth, json=body)
-        assert refused.status_code == 401
-        assert refused.json()["error"]["code"] == "invalid_api_key"
-    store.close()
+    async with open_keys_db(tmp_path / "keys.db") as store:
+        cached = CachedKeys(store, ttl_s=300)
+        key, secret = await cached.create(tenant="acme", models=["chat"])
+        async with (
+            serve_router([fe.endpoint()], keys=cached) as r,
+            httpx.AsyncClient(timeout=30) as h,
+        ):
+            url = r.base_url + "/chat/completions"
+            auth = {"Authorization": f"Bearer {secret}"}
+            assert (await h.post(url, headers=auth, json=body)).status_code == 200
+            assert r.router.keys is cached
+            await cached.revoke(key.key_id)
+            refused = await h.post(url, headers=auth, json=body)
+            assert refused.status_code == 401
+            assert refused.json()["error"]["code"] == "invalid_api_key"
 
 
 async def test_priority_band_header_is_capped_by_the_key(
