@@ -14,6 +14,7 @@ from llmgw.core._drain import DrainDecision, DrainingReplica, DrainInput, drain_
 from llmgw.core._estimates import EngineReport, Estimates, learn
 from llmgw.core._facts import (
     allocations,
+    drain_input,
     engine_facts,
     node_facts,
     observed_shards,
@@ -181,6 +182,7 @@ __all__ = [
     "choose",
     "classify_source",
     "decide",
+    "drain_input",
     "drain_model",
     "engine_facts",
     "explain",

@@ -12,16 +12,19 @@ records and the catalog's entries, seen through the small Protocols below.
 - `placement_profile`: a catalog profile as placement asks for it.
 - `observed_shards`, `allocations`: the shards for the plan, and the cards and
   CPU replicas taken on each node (starts in flight included).
+- `drain_input`: what the drain rule needs: the draining nodes, the requests in
+  flight on each replica they touch, and since when each replica retires.
 - `socket_interface`: the interface a node names for the fabric chosen.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from llmgw import model
+from llmgw.core._drain import DrainInput
 from llmgw.core._liveness import Liveness, NodeState
 from llmgw.core._placement import Allocations, GpuFacts, NodeFacts, PlacementProfile
 from llmgw.core._reconcile import ObservedShard
@@ -296,3 +299,22 @@ def allocations(
             1 for spec in mine if not spec.gpus
         )
     return Allocations(gpus=gpus, cpu_replicas=cpu)
+
+
+def drain_input(
+    shards: Sequence[ObservedShard],
+    draining: Collection[str],
+    in_flight: Callable[[str, str], int | None] | None,
+    retiring_since: Mapping[str, float],
+    timeout_s: float,
+) -> DrainInput:
+    """The drain rule's input. `in_flight(replica id, rank-0 node)`: the router's count
+    of requests there, asked only for the replicas a draining node touches; None (no
+    router here) leaves every count unknown."""
+    nodes = frozenset(draining)
+    counts: dict[str, int | None] = {}
+    touched = {s.replica_id for s in shards if s.node_id in nodes and s.replica_id}
+    for s in shards:
+        if s.replica_id in touched and s.rank == 0:
+            counts[s.replica_id] = in_flight(s.replica_id, s.node_id) if in_flight else None
+    return DrainInput(nodes, counts, dict(retiring_since), timeout_s)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -68,6 +68,17 @@ class _Pending:
 class Unplaced:
     model_name: str
     reasons: tuple[str, ...]
+
+
+def desired(catalog: Catalog) -> list[DesiredModel]:
+    """The catalog as the plan wants it: each model's replicas, and its profiles'
+    fingerprints with their startup timeouts."""
+    out = []
+    for m in catalog.models:
+        prints = tuple(fingerprint(m, p) for p in m.profiles)
+        timeouts = {fp: p.startup_timeout_s for fp, p in zip(prints, m.profiles, strict=True)}
+        out.append(DesiredModel(m.name, m.replicas, prints, timeouts))
+    return out
 
 
 class Reconciler:
@@ -171,14 +182,6 @@ class Reconciler:
     def observe(self) -> tuple[list[ObservedShard], dict[str, str]]:
         return core.observed_shards(self._registry.records())
 
-    def desired(self, catalog: Catalog) -> list[DesiredModel]:
-        out = []
-        for m in catalog.models:
-            prints = tuple(fingerprint(m, p) for p in m.profiles)
-            timeouts = {fp: p.startup_timeout_s for fp, p in zip(prints, m.profiles, strict=True)}
-            out.append(DesiredModel(m.name, m.replicas, prints, timeouts))
-        return out
-
     def plan(self) -> Plan:
         now = self._clock()
         shards, states = self.observe()
@@ -202,9 +205,11 @@ class Reconciler:
         self._unhealthy_since = {
             sid: self._unhealthy_since.get(sid, now) for sid in sick
         }  # a shard that recovers starts from zero next time
+        drain = core.drain_input(shards, self._registry.draining, self.in_flight,
+                                 self._retiring, self.drain_timeout_s)  # fmt: skip
         plan = core.reconcile(
-            self.desired(self._catalog()), shards, states, self._first_seen, now,
-            pending=pending, drain=self._drain_input(shards),
+            desired(self._catalog()), shards, states, self._first_seen, now,
+            pending=pending, drain=drain,
             unhealthy_since=self._unhealthy_since, unhealthy_replace_s=self.unhealthy_replace_s,
             guard_held_at=self._guard_held_at, ready_since=ready_since,
             settle_s=self._settle.settle_s,
@@ -215,16 +220,6 @@ class Reconciler:
         return plan
 
     # draining --------------------------------------------------------------------------------
-
-    def _drain_input(self, shards: Sequence[ObservedShard]) -> core.DrainInput:
-        nodes = frozenset(self._registry.draining)
-        in_flight: dict[str, int | None] = {}
-        touched = {s.replica_id for s in shards if s.node_id in nodes and s.replica_id}
-        for s in shards:
-            if s.replica_id in touched and s.rank == 0:
-                count = self.in_flight(s.replica_id, s.node_id) if self.in_flight else None
-                in_flight[s.replica_id] = count
-        return core.DrainInput(nodes, in_flight, dict(self._retiring), self.drain_timeout_s)
 
     def _note_retiring(self, plan: Plan, now: float) -> None:
         retiring = {v.replica_id for v in plan.replicas if v.state == core.ReplicaState.RETIRING}
@@ -353,8 +348,11 @@ class Reconciler:
 
     def allocations(self) -> core.Allocations:
         # Starts in flight hold their cards too: the next pass must not give them again.
-        flying = [rank for p in self._pending.values() for rank in p.ranks]
-        return core.allocations(self._registry.records(), flying)
+        return core.allocations(self._registry.records(), self._flying())
+
+    def _flying(self) -> list[tuple[str, model.ShardSpec]]:
+        """Every rank of the starts in flight: (node, spec)."""
+        return [rank for p in self._pending.values() for rank in p.ranks]
 
     def placer(self) -> core.Placer:
         """The fleet indexed once; place several replicas with it, adding each."""
@@ -401,8 +399,7 @@ class Reconciler:
         placer.add(where)  # the next placement of this pass sees these cards taken
         replica_id = f"{m.name}-{secrets.token_hex(3)}"
         records = {r.node_id: r for r in self._registry.records()}
-        flying = [rank for p in self._pending.values() for rank in p.ranks]
-        specs = shard_specs(m, profile, where, replica_id, records, flying=flying,
+        specs = shard_specs(m, profile, where, replica_id, records, flying=self._flying(),
                             engine_ports=self._engine_ports)  # fmt: skip
         now = self._clock()
         log.info(
