@@ -36,8 +36,10 @@ from llmgw.cp._mirror import ManifestCache, serve_mirror
 from llmgw.cp._pages import api_client, make_pages
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._retiring import Retiring
 from llmgw.cp._sizes import SourceSizes
 from llmgw.cp._store import SqlStore, open_store, store_location
+from llmgw.cp._wake import Wakeup
 from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
 from llmgw.errors import ConfigError
 from llmgw.router import Router, RouterConfig, listener_limits, serve_http, serve_hypercorn
@@ -275,10 +277,16 @@ async def _assemble(
     close_connection: Callable[[int], Awaitable[None]],
     mirror_port: int | None,
 ) -> _ControlPlane:
-    """Every part, each given what it needs when it is built. Leadership and the
-    registry need each other: the registry acts under the lease, and the lease's
-    election and deposition reach the registry (and the reconciler) through the
-    callbacks below, which Leadership calls only from its `run`, once all is built."""
+    """Every part, each given what it needs when it is built, in an order that lets
+    it: the retiring replicas (which the reconciler notes and the endpoint list
+    reads) and the router come before the reconciler, which asks the router what is
+    in flight. Where two parts truly need each other, a small object is made first
+    and handed to both: the two wake-ups (llmgw/cp/_wake.py) that the registry, the
+    sizes and the catalog poke; and Leadership, which the registry acts under and
+    whose election and deposition reach the registry (and the reconciler) through
+    the callbacks below, called only from its `run`, once all is built."""
+    plan_again = Wakeup()  # the reconciler waits on it
+    endpoints_stale = Wakeup()  # the endpoint list recomputes when next read
 
     async def elected(epoch: int) -> None:
         await registry.load_state(store)  # the other control plane may have changed them
@@ -306,6 +314,7 @@ async def _assemble(
         forget_after_s=cfg.forget_after_s,
         leading=False,
         lease=leadership,
+        listeners=(plan_again.poke, endpoints_stale.poke),
         close_connection=close_connection,
         mirror_port=mirror_port,
         mirror_tls=cfg.mirror.tls if mirror_port is not None else False,
@@ -315,39 +324,21 @@ async def _assemble(
     await registry.load_state(store)  # overrides, and the known nodes a restart waits for
     log.info("engines: %s", _engines.describe(catalog.engines))
     catalog.on_engines = registry.declare_engines
-    reconciler = Reconciler(
-        registry,
-        lambda: catalog.catalog,
-        interval_s=cfg.reconcile_interval_s,
-        settle_s=cfg.reconcile_settle_s,
-        stop_grace_s=cfg.stop_grace_s,
-        drain_timeout_s=cfg.drain_timeout_s,
-        unhealthy_replace_s=cfg.unhealthy_replace_s,
-        engine_ports=cfg.engine_ports,
-    )
     # Each fetched source's size, for placement's disk check: measured by a task of its
     # own (llmgw/cp/_sizes.py), never inside a pass; a size that changes pokes the reconciler.
     sizes = SourceSizes(
         lambda: [m.source for m in catalog.catalog.models],
         cfg.mirror.dir,
-        on_change=reconciler.poke,
+        on_change=plan_again.poke,
     )
-    reconciler.sizes = sizes
-    endpoints = FleetEndpoints(registry, lambda: catalog.catalog, reconciler.retiring)
+    retiring = Retiring(on_change=endpoints_stale.poke)
+    endpoints = FleetEndpoints(registry, lambda: catalog.catalog, retiring.replicas)
+    endpoints_stale.on_poke(endpoints.refresh)
     # The router in either role: the fleet's list while leading, else the leader's, as it
     # published it in the store (llmgw/cp/_endpoints.py).
     published = PublishedEndpoints(store)
     routed = RoleEndpoints(endpoints, published, registry.acting)
     publisher = EndpointPublisher(store, endpoints, registry.acting, lambda: registry.epoch)
-    reconciler.on_retiring = endpoints.refresh
-    registry.listeners += [reconciler.poke, endpoints.refresh]
-
-    def catalog_changed() -> None:
-        reconciler.poke()
-        sizes.poke()
-        endpoints.refresh()
-
-    catalog.on_change = catalog_changed
     keys = StoreKeys(store)
     admin_key = read_admin_key(key_path)
     router = Router(router_cfg or RouterConfig(), routed, keys, admin_key=admin_key, usage=store)
@@ -375,8 +366,28 @@ async def _assemble(
         theirs = hub.in_flight(eid)
         return None if theirs is None else mine + theirs
 
-    if cfg.router_listen is not None:  # else no requests pass here: in flight is unknown
-        reconciler.in_flight = in_flight
+    reconciler = Reconciler(
+        registry,
+        lambda: catalog.catalog,
+        interval_s=cfg.reconcile_interval_s,
+        settle_s=cfg.reconcile_settle_s,
+        stop_grace_s=cfg.stop_grace_s,
+        drain_timeout_s=cfg.drain_timeout_s,
+        unhealthy_replace_s=cfg.unhealthy_replace_s,
+        engine_ports=cfg.engine_ports,
+        sizes=sizes,
+        wake=plan_again,
+        retiring=retiring,
+        # Without router_listen no requests pass here: in flight is unknown.
+        in_flight=in_flight if cfg.router_listen is not None else None,
+    )
+
+    def catalog_changed() -> None:
+        plan_again.poke()
+        sizes.poke()
+        endpoints_stale.poke()
+
+    catalog.on_change = catalog_changed
 
     def queue_depth(node: str, replica: str) -> tuple[float | None, float | None] | None:
         """The engine's running and waiting requests as the router last scraped them."""

@@ -45,9 +45,11 @@ from llmgw.core import (
 from llmgw.cp._catalog import Catalog, CatalogModel, Profile, fingerprint
 from llmgw.cp._launch import shard_specs
 from llmgw.cp._registry import NodeRecord, NodeRegistry
+from llmgw.cp._retiring import Retiring
 from llmgw.cp._settle import Settle
 from llmgw.cp._shards import PORTS
 from llmgw.cp._sizes import Measuring
+from llmgw.cp._wake import Wakeup
 from llmgw.errors import DeadlineExceeded, LlmgwError, StaleEpoch
 
 log = logging.getLogger("llmgw.cp.reconciler")
@@ -95,13 +97,18 @@ class Reconciler:
         engine_ports: tuple[int, int] = PORTS,
         clock: Callable[[], float] = trio.current_time,
         sizes: Callable[[str], int | Measuring | None] | None = None,
+        wake: Wakeup | None = None,
+        retiring: Retiring | None = None,
+        in_flight: Callable[[str, str], int | None] | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
         # A catalog source's size in bytes, None when unknown, MEASURING before its
         # first measurement (llmgw/cp/_sizes.py); None here: nothing knows sizes, so
         # placement never refuses for disk.
-        self.sizes = sizes
+        self._sizes = sizes
+        # Poked by whatever has news (the registry, the sizes, the catalog: llmgw/cp/_wake.py)
+        self._wake = wake if wake is not None else Wakeup()
         self.interval_s = interval_s
         self._settle = Settle(settle_s, clock)
         self.stop_grace_s = stop_grace_s
@@ -120,14 +127,12 @@ class Reconciler:
         self._last_plan = Plan((), ())
         self._last_notes: tuple[str, ...] = ()
         self._nursery: trio.Nursery | None = None
-        self._wake = trio.Event()
         # Draining (the rule: llmgw/core/_drain.py). `in_flight(replica id, rank-0 node)`
-        # is the router's count (None: no router here, so unknown); `on_retiring` is
-        # called when the set of retiring replicas changes (the endpoints re-read it).
+        # is the router's count (None: no router here, so unknown); `retiring` the
+        # replicas retiring, which the endpoint list reads (llmgw/cp/_retiring.py).
         self.drain_timeout_s = drain_timeout_s
-        self.in_flight: Callable[[str, str], int | None] | None = None  # None: unknown
-        self.on_retiring: Callable[[], None] | None = None
-        self._retiring: dict[str, float] = {}  # replica id -> first pass that showed it retiring
+        self._in_flight = in_flight
+        self._retiring = retiring if retiring is not None else Retiring()
 
     def __repr__(self) -> str:
         return f"<Reconciler {self.statistics()}>"
@@ -149,7 +154,7 @@ class Reconciler:
 
     def poke(self) -> None:
         """Something changed (a report, a catalog reload): plan again soon."""
-        self._wake.set()
+        self._wake.poke()
 
     def elected(self) -> None:
         """This control plane took the lease: settle from now, waiting for the nodes known
@@ -169,9 +174,7 @@ class Reconciler:
             self._nursery = nursery
             task_status.started()
             while True:
-                with trio.move_on_after(self.interval_s):
-                    await self._wake.wait()
-                self._wake = trio.Event()
+                await self._wake.wait(self.interval_s)
                 try:
                     await self.tick()
                 except LlmgwError as exc:
@@ -205,8 +208,8 @@ class Reconciler:
         self._unhealthy_since = {
             sid: self._unhealthy_since.get(sid, now) for sid in sick
         }  # a shard that recovers starts from zero next time
-        drain = core.drain_input(shards, self._registry.draining, self.in_flight,
-                                 self._retiring, self.drain_timeout_s)  # fmt: skip
+        drain = core.drain_input(shards, self._registry.draining, self._in_flight,
+                                 self._retiring.since(), self.drain_timeout_s)  # fmt: skip
         plan = core.reconcile(
             desired(self._catalog()), shards, states, self._first_seen, now,
             pending=pending, drain=drain,
@@ -216,22 +219,13 @@ class Reconciler:
         )  # fmt: skip
         if plan.cut_off:
             self._guard_held_at = now
-        self._note_retiring(plan, now)
+        retiring = [v.replica_id for v in plan.replicas if v.state == core.ReplicaState.RETIRING]
+        self._retiring.note(retiring, now)
         return plan
-
-    # draining --------------------------------------------------------------------------------
-
-    def _note_retiring(self, plan: Plan, now: float) -> None:
-        retiring = {v.replica_id for v in plan.replicas if v.state == core.ReplicaState.RETIRING}
-        if retiring == set(self._retiring):
-            return
-        self._retiring = {r: self._retiring.get(r, now) for r in retiring}
-        if self.on_retiring is not None:
-            self.on_retiring()
 
     def retiring(self) -> frozenset[str]:
         """Replicas on draining nodes whose replacement is ready: the router leaves them out."""
-        return frozenset(self._retiring)
+        return self._retiring.replicas()
 
     # act -----------------------------------------------------------------------------------
 
@@ -374,11 +368,11 @@ class Reconciler:
         return Unplaced(m.name, tuple(reasons))
 
     def _weights_bytes(self, source: str) -> int | None:
-        got = self.sizes(source) if self.sizes is not None else None
+        got = self._sizes(source) if self._sizes is not None else None
         return None if isinstance(got, Measuring) else got
 
     def _measuring(self, m: CatalogModel) -> bool:
-        return self.sizes is not None and isinstance(self.sizes(m.source), Measuring)
+        return self._sizes is not None and isinstance(self._sizes(m.source), Measuring)
 
     def _start_soon(self, m: CatalogModel, placer: core.Placer) -> None:
         """Place one replica now (synchronously, so the pass's next placement sees its

@@ -11,15 +11,16 @@ fetches' progress (llmgw/cp/_progress.py), and the push of an engine
 declaration to the connected agents (llmgw/cp/_declare.py).
 
 What it needs from the rest of the control plane it is given when built: the
-`Lease` it acts under, the mirror agents fetch from, the engine declaration,
-the history it samples into, and how to close an RPC connection.
+`Lease` it acts under, whom it tells of every change, the mirror agents fetch
+from, the engine declaration, the history it samples into, and how to close
+an RPC connection.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
 import trio
@@ -93,6 +94,7 @@ class NodeRegistry:
         forget_after_s: float | None = None,
         leading: bool = True,
         lease: Lease | None = None,
+        listeners: Iterable[Callable[[], None]] = (),
         close_connection: Callable[[int], Awaitable[None]] | None = None,
         mirror_port: int | None = None,
         mirror_tls: bool = False,
@@ -128,8 +130,8 @@ class NodeRegistry:
         self._generations = 0
         # Cordoned, draining and known nodes, kept in the store (load_state).
         self._kept = FleetState(self._address)
-        # Called on a registration, a shard report, a state change.
-        self.listeners: list[Callable[[], None]] = []
+        # Called on a registration, a shard report, a state change (llmgw/cp/_wake.py).
+        self._listeners = tuple(listeners)
         # Why things happened (failed shards, state changes), for the admin API.
         self.events = EventLog(clock=clock, wall=wall)
         self._progress = ProgressBook()
@@ -222,7 +224,7 @@ class NodeRegistry:
         return was
 
     def _changed(self) -> None:
-        for listener in self.listeners:
+        for listener in self._listeners:
             listener()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

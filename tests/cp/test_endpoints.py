@@ -11,6 +11,7 @@ from llmgw import core, model
 from llmgw.cp._catalog import Catalog, parse
 from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
 from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._wake import Wakeup
 from llmgw.router._types import Endpoint
 
 POLICY = core.LivenessPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3, lost_after_s=5.0)
@@ -110,9 +111,10 @@ async def test_version_moves_only_when_the_list_changes(autojump_clock: Any) -> 
 async def test_a_register_storm_does_not_walk_the_fleet_per_registration() -> None:
     # Recomputing on every registration made a storm of N agents cost O(N^2)
     # (bench/fleet.py); the list is recomputed once, when next read.
-    registry = NodeRegistry(POLICY)
+    stale = Wakeup()  # made first: the registry pokes it, the list heeds it (as in _main)
+    registry = NodeRegistry(POLICY, listeners=(stale.poke,))
     fleet = FleetEndpoints(registry, catalog)
-    registry.listeners.append(fleet.refresh)
+    stale.on_poke(fleet.refresh)
     walks = 0
     records = registry.records
 

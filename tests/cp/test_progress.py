@@ -5,6 +5,7 @@ connection and silence; never a state change anyone plans from; bounded."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -35,8 +36,10 @@ class Clock:
         return self.now
 
 
-def _registry_at(clock: Clock) -> NodeRegistry:
-    return NodeRegistry(core.LivenessPolicy(), clock=clock, wall=lambda: 1000.0 + clock.now)
+def _registry_at(clock: Clock, listeners: tuple[Callable[[], None], ...] = ()) -> NodeRegistry:
+    return NodeRegistry(
+        core.LivenessPolicy(), clock=clock, wall=lambda: 1000.0 + clock.now, listeners=listeners
+    )
 
 
 def _report(state: str, source: str | None = SRC) -> model.ShardReport:
@@ -84,10 +87,10 @@ async def test_a_restarted_download_starts_its_rate_again() -> None:
 
 async def test_progress_is_not_a_state_change() -> None:
     clock = Clock()
-    registry = _registry_at(clock)
+    heard: list[int] = []
+    registry = _registry_at(clock, listeners=(lambda: heard.append(1),))
     _agent, _peer, session = await register(registry, "a", shards=(_report("starting"),))
-    heard = []
-    registry.listeners.append(lambda: heard.append(1))
+    heard.clear()  # the registration was news; the progress below is not
     rec = registry.record("a")
     assert rec is not None
     before = attrs.asdict(rec, recurse=False)

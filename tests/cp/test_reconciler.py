@@ -21,6 +21,7 @@ from llmgw.cp._catalog import Catalog, parse
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
 from llmgw.cp._store import open_store
+from llmgw.cp._wake import Wakeup
 from llmgw.errors import DeadlineExceeded
 from llmgw.rpc import PeerInfo
 
@@ -101,11 +102,12 @@ async def register(
 
 
 def make(settle_s: float = 1.0, replicas: int = 3, **kw: Any) -> tuple[NodeRegistry, Reconciler]:
-    registry = NodeRegistry(core.LivenessPolicy(heartbeat_interval_s=1.0, lost_after_s=5.0))
+    wake = Wakeup()  # made first: the registry pokes it, the reconciler waits on it
+    policy = core.LivenessPolicy(heartbeat_interval_s=1.0, lost_after_s=5.0)
+    registry = NodeRegistry(policy, listeners=(wake.poke,))
     reconciler = Reconciler(
-        registry, lambda: catalog(replicas), interval_s=0.5, settle_s=settle_s, **kw
+        registry, lambda: catalog(replicas), interval_s=0.5, settle_s=settle_s, wake=wake, **kw
     )
-    registry.listeners.append(reconciler.poke)
     return registry, reconciler
 
 

@@ -23,6 +23,7 @@ from llmgw.cp._catalog import Catalog
 from llmgw.cp._leader import Holder, LeaderView
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._wake import Wakeup
 from llmgw.errors import RegistrationRefused
 from llmgw.rpc import CapnpThread, PeerInfo
 
@@ -122,8 +123,12 @@ async def test_a_deposed_registry_drops_its_sessions_and_agents_go_to_the_new_le
     new = NodeRegistry(POLICY, epoch=2, leading=False)
     changes: list[str] = []
     async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
-        old = NodeRegistry(POLICY, epoch=1, close_connection=bridge.close_connection)
-        old.listeners.append(lambda: changes.append("changed"))
+        old = NodeRegistry(
+            POLICY,
+            epoch=1,
+            close_connection=bridge.close_connection,
+            listeners=(lambda: changes.append("changed"),),
+        )
         await nursery.start(old.run)
         await nursery.start(new.run)
         old_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, old)
@@ -280,10 +285,10 @@ async def test_a_standby_reconciler_does_nothing_and_the_settle_counts_from_the_
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     quiet = core.LivenessPolicy(heartbeat_interval_s=60, lost_after_s=600)  # no beats needed
-    registry = NodeRegistry(quiet, leading=False)
+    wake = Wakeup()
+    registry = NodeRegistry(quiet, leading=False, listeners=(wake.poke,))
     registry.known.update({"a", "b"})  # as the store had them
-    reconciler = Reconciler(registry, tiny, interval_s=0.5, settle_s=3.0)
-    registry.listeners.append(reconciler.poke)
+    reconciler = Reconciler(registry, tiny, interval_s=0.5, settle_s=3.0, wake=wake)
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
         await nursery.start(reconciler.run)

@@ -24,6 +24,7 @@ from llmgw.cp._catalog import Catalog, parse
 from llmgw.cp._reconciler import Reconciler, Unplaced
 from llmgw.cp._registry import NodeRegistry
 from llmgw.cp._sizes import MEASURING, SourceSizes
+from llmgw.cp._wake import Wakeup
 from llmgw.testing import fake_engine
 from llmgw.testing.cluster import LocalCluster, wait_for
 
@@ -204,10 +205,12 @@ async def test_nothing_is_started_before_its_size_is_measured(tmp_path: Path) ->
     (a start would fetch 8 TiB onto a 12 GB disk); the round that measures it pokes the
     reconciler, which then refuses it for disk, having started nothing."""
     sparse(tmp_path / "mirror" / "huge.gguf", HUGE)
+    wake = Wakeup()  # made first: the sizes poke it, the reconciler waits on it
     registry = NodeRegistry(core.LivenessPolicy())
-    reconciler = Reconciler(registry, lambda: catalog(MIRROR), interval_s=0.05, settle_s=0)
-    sizes = SourceSizes(lambda: [MIRROR], tmp_path / "mirror", on_change=reconciler.poke)
-    reconciler.sizes = sizes
+    sizes = SourceSizes(lambda: [MIRROR], tmp_path / "mirror", on_change=wake.poke)
+    reconciler = Reconciler(
+        registry, lambda: catalog(MIRROR), interval_s=0.05, settle_s=0, sizes=sizes, wake=wake
+    )
     agent = StartingAgent("a")
     filesystems = (fs("/", ("/a/w",), 12),)
     await register(registry, "a", agent=agent,  # type: ignore[arg-type]
