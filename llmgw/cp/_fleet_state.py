@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import trio
 
-from llmgw.cp._store import Store
 from llmgw.errors import LlmgwError
+from llmgw.store import Store
 
 log = logging.getLogger("llmgw.cp.registry")
 

@@ -38,7 +38,6 @@ from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
 from llmgw.cp._retiring import Retiring
 from llmgw.cp._sizes import SourceSizes
-from llmgw.cp._store import SqlStore, open_store, store_location
 from llmgw.cp._wake import Wakeup
 from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
 from llmgw.errors import ConfigError
@@ -50,6 +49,7 @@ from llmgw.rpc import (
     check_certificates,
     server_tls_context,
 )
+from llmgw.store import SqlStore, open_store, store_location
 
 log = logging.getLogger("llmgw.cp")
 

@@ -33,9 +33,9 @@ from llmgw.cp._history import History
 from llmgw.cp._node_record import NodeRecord as NodeRecord  # re-exported: named from here
 from llmgw.cp._progress import FetchProgress as FetchProgress  # re-exported, as NodeRecord
 from llmgw.cp._progress import ProgressBook
-from llmgw.cp._store import Store
 from llmgw.errors import NotFound, RegistrationRefused, StaleEpoch, UsageError
 from llmgw.rpc import AgentHandle, PeerInfo, SessionServant
+from llmgw.store import Store
 
 log = logging.getLogger("llmgw.cp.registry")
 

@@ -25,10 +25,10 @@ from llmgw import core, model
 from llmgw.cp._catalog import parse
 from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
 from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._store import open_store
 from llmgw.errors import NotFound, UsageError
 from llmgw.router import Router, RouterConfig, StaticKeys
 from llmgw.rpc import PeerInfo
+from llmgw.store import open_store
 from llmgw.testing.cluster import LocalCluster, wait_for
 
 TOKENS = 100  # streamed at 0.1 s each: the request is in flight for about 10 s

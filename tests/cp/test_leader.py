@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from llmgw import config
 from llmgw.cp._leader import Holder, Leadership, advertised, resolve_address
-from llmgw.cp._store import Lease, SqlStore, open_store
 from llmgw.errors import PeerError
+from llmgw.store import Lease, SqlStore, open_store
 
 LEASE_S = 1.5  # renewed every 0.5 s
 

@@ -17,8 +17,8 @@ from llmgw.cp._endpoints import (
     decode_endpoints,
     encode_endpoints,
 )
-from llmgw.cp._store import open_store
 from llmgw.router._types import Endpoint, StaticEndpoints
+from llmgw.store import open_store
 
 names = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
 endpoints = st.builds(

@@ -20,10 +20,10 @@ from llmgw.core import node_facts
 from llmgw.cp._catalog import Catalog, parse
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._store import open_store
 from llmgw.cp._wake import Wakeup
 from llmgw.errors import DeadlineExceeded
 from llmgw.rpc import PeerInfo
+from llmgw.store import open_store
 
 _conn = itertools.count(1)
 

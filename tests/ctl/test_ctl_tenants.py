@@ -9,10 +9,10 @@ import time
 import pytest
 import trio
 
-from llmgw.cp._store import open_store
 from llmgw.ctl._accounts import parse_duration, parse_expires
 from llmgw.ctl._client import CtlError
 from llmgw.keys import UsageRow
+from llmgw.store import open_store
 from llmgw.testing.cluster import LocalCluster
 
 

@@ -37,9 +37,9 @@ from llmgw.cp._catalog_file import CatalogFile
 from llmgw.cp._leader import LeaderView
 from llmgw.cp._reconciler import Reconciler
 from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._store import Store
 from llmgw.errors import ConfigError, NotFound, PeerError, StaleEpoch, UsageError
 from llmgw.router import KeyStore
+from llmgw.store import Store
 
 
 class LeaderSource(Protocol):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from llmgw.cp._admin._http import HttpError
 from llmgw.cp._registry import NodeRecord, NodeRegistry
-from llmgw.cp._store import Store
 from llmgw.rpc import AgentHandle
+from llmgw.store import Store
 
 NODES_PER_SLICE = 100  # ~15 ms of rendering between checkpoints
 

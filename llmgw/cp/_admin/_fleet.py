@@ -16,8 +16,8 @@ from llmgw.cp._admin._common import NODES_PER_SLICE, audit, connected
 from llmgw.cp._admin._http import HttpError, Route, expect, route
 from llmgw.cp._registry import NodeRegistry
 from llmgw.cp._shards import manual_shard, ports_taken
-from llmgw.cp._store import Store
 from llmgw.errors import LlmgwError, PeerError
+from llmgw.store import Store
 
 log = logging.getLogger("llmgw.cp.admin")
 

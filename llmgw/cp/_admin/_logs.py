@@ -12,8 +12,8 @@ from llmgw.cp._admin._common import connected, need_store
 from llmgw.cp._admin._http import HttpError, Route, route
 from llmgw.cp._events import Event
 from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._store import AuditEntry, Store
 from llmgw.errors import DeadlineExceeded, NotFound
+from llmgw.store import AuditEntry, Store
 
 EVENTS_LIMIT = 1000
 AUDIT_LIMIT = 1000

@@ -15,9 +15,9 @@ import attrs
 
 from llmgw.cp._admin._common import audit, need_store
 from llmgw.cp._admin._http import HttpError, Route, expect, route
-from llmgw.cp._store import Account, Store
 from llmgw.keys import ApiKey
 from llmgw.router import KeyStore
+from llmgw.store import Account, Store
 
 log = logging.getLogger("llmgw.cp.admin")
 
@@ -34,7 +34,7 @@ class Tenants:
     def __init__(
         self, store: Store | None, keys: KeyStore | None, bands: Mapping[str, int] | None
     ) -> None:
-        # Accounts, usage and the audit log (llmgw/cp/_store.py); None: none kept here.
+        # Accounts, usage and the audit log (llmgw/store); None: none kept here.
         self._store = store
         self._keys = keys
         # The router's priority bands, name -> rank (0 is the highest): what a tenant's or
