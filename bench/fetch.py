@@ -4,7 +4,7 @@ Writes a test file of real bytes into a temporary directory (a 16 MiB block
 of os.urandom repeated: not sparse, so the mirror reads every page; the file
 was just written, so those reads mostly come from the page cache, as they
 would on a control plane whose weights are warm), starts the mirror
-(llmgw.cp._mirror.serve_mirror) in its own process on 127.0.0.1, plain HTTP by
+(llmgw.cp._weights._mirror.serve_mirror) in its own process on 127.0.0.1, plain HTTP by
 default or TLS with a trustme CA that both clients trust (`--tls`), then:
 
 1. `curl -sf -o <file>` of it (skipped, and said so, when curl is not
@@ -62,7 +62,7 @@ GOAL_SHARE = 0.90
 
 
 def run_mirror(root: Path, port_file: Path, count_file: Path, tls_dir: Path | None) -> None:
-    from llmgw.cp import _mirror
+    from llmgw.cp._weights import _mirror
 
     original = _mirror._Mirror._file
 

@@ -1,6 +1,6 @@
 """Benchmark: what an hour of history costs the control plane (not a test).
 
-Builds llmgw.cp._history.History for `--nodes` nodes (5,000 by default), each
+Builds llmgw.cp._observe._history.History for `--nodes` nodes (5,000 by default), each
 with `--gpus` GPUs (8), 2 filesystems and 2 shards, and writes an hour and a
 bit of heartbeats into it (a sample every `--interval-s` seconds, 5 by
 default, on an injected clock: no sleeping), so that every ring has wrapped.
@@ -25,7 +25,7 @@ import time
 import tracemalloc
 
 from llmgw import model
-from llmgw.cp._history import NODE_BYTES_BOUND, SPAN_S, History
+from llmgw.cp._observe._history import NODE_BYTES_BOUND, SPAN_S, History
 
 
 def usage(i: int, step: int, gpus: int) -> model.Usage:

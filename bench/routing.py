@@ -578,7 +578,12 @@ def real(args: argparse.Namespace, policies: list[str]) -> None:
         tmp = Path(d)
         t = time.monotonic()
         model = tiny_gguf.write(
-            tmp / "bench.gguf", n_embd=512, n_head=8, n_layer=4, n_ff=1024, n_ctx=8192,
+            tmp / "bench.gguf",
+            n_embd=512,
+            n_head=8,
+            n_layer=4,
+            n_ff=1024,
+            n_ctx=8192,
             f16=args.f16,
         )
         print(f"model {model.stat().st_size / 1e6:.0f} MB written in {time.monotonic() - t:.1f} s")

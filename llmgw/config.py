@@ -242,16 +242,18 @@ class ServerConfig:
     # The agents' listener: accept to finished TLS handshake, and how many at once.
     rpc_handshake_timeout_s: float = attrs.field(default=5.0, validator=positive(300))
     rpc_max_pending_handshakes: int = attrs.field(default=256, validator=between(1, 65536))
-    models: list[dict[str, Any]] = attrs.field(factory=list)  # the catalog: llmgw.cp._catalog
-    mirror: MirrorConfig = attrs.field(factory=MirrorConfig)  # llmgw.cp._mirror
-    # The engines every node installs, by name; null: none declared (llmgw.cp._engines).
+    models: list[dict[str, Any]] = attrs.field(
+        factory=list
+    )  # the catalog: llmgw.cp._fleet._catalog
+    mirror: MirrorConfig = attrs.field(factory=MirrorConfig)  # llmgw.cp._weights._mirror
+    # The engines every node installs, by name; null: none declared (llmgw.cp._fleet._engines).
     engines: dict[str, Any] | None = None
     # What the control plane keeps (accounts, keys, overrides, known nodes, the leader lease,
     # usage): null: SQLite in state_dir; a `postgresql://` DSN; or the absolute path of a
     # file holding one (`llmgw-cp init --postgres` writes <state_dir>/secrets/store-dsn).
     store: str | None = None
     # The leader's lease on the store, renewed every third of it; a standby takes over once
-    # it has lapsed (llmgw.cp._leader).
+    # it has lapsed (llmgw.cp._fleet._leader).
     lease_s: float = attrs.field(default=10.0, validator=between(1, 600))
     # The RPC address agents dial to reach this control plane, as a standby names it to
     # them; null: rpc_listen's port on this machine's name (its FQDN) when rpc_listen's

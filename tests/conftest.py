@@ -19,9 +19,7 @@ __all__ = ["FIXTURES", "IN_CI", "REPO", "alive", "llama_server_binary", "require
 # The machines that run this suite are shared (2 cores, other jobs beside it):
 # a property that takes 300 ms once is not a failure. `--hypothesis-profile`
 # or HYPOTHESIS_PROFILE picks another.
-settings.register_profile(
-    "shared", deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("shared", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "shared"))
 
 

@@ -198,12 +198,19 @@ def test_each_bound_is_one_line_with_its_key(
     [
         ([9000, 8000], "must be [first, last] ports, 0 < first ≤ last < 65536 (got [9000, 8000])"),
         ([0, 10], "must be [first, last] ports, 0 < first ≤ last < 65536 (got [0, 10])"),
-        ([8100, 65536], "must be [first, last] ports, 0 < first ≤ last < 65536 (got [8100, 65536])"),
+        (
+            [8100, 65536],
+            "must be [first, last] ports, 0 < first ≤ last < 65536 (got [8100, 65536])",
+        ),
     ],
 )
 def test_engine_ports_is_a_range_of_ports(value: list[int], message: str) -> None:
-    assert _error({"engine_ports": value}, config.ServerConfig) == [f"x.yaml: engine_ports: {message}"]
-    assert _error({"engine_ports": [8100]}, config.ServerConfig)[0].startswith("x.yaml: engine_ports")
+    assert _error({"engine_ports": value}, config.ServerConfig) == [
+        f"x.yaml: engine_ports: {message}"
+    ]
+    assert _error({"engine_ports": [8100]}, config.ServerConfig)[0].startswith(
+        "x.yaml: engine_ports"
+    )
 
 
 def test_read_yaml_names_the_line_and_column(tmp_path: Path) -> None:
@@ -211,7 +218,9 @@ def test_read_yaml_names_the_line_and_column(tmp_path: Path) -> None:
     bad.write_text("store: null\nmodels: [a\n  b: c\n")
     with pytest.raises(ConfigError) as info:
         config.read_yaml(bad)
-    assert re.fullmatch(rf"{re.escape(str(bad))}: line \d+ column \d+: not valid YAML: .+", str(info.value))
+    assert re.fullmatch(
+        rf"{re.escape(str(bad))}: line \d+ column \d+: not valid YAML: .+", str(info.value)
+    )
 
 
 def test_reconnect_max_below_initial_is_refused() -> None:

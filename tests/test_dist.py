@@ -32,7 +32,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from llmgw import _bootstrap
-from llmgw.cp._mirror import serve_mirror
+from llmgw.cp._weights._mirror import serve_mirror
 from llmgw.ctl import _release
 from llmgw.ctl import main as ctl_main
 

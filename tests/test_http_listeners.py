@@ -48,9 +48,9 @@ async def main():
         if kind == "admin":
             from llmgw import core
             from llmgw.cp._admin import AdminApp
-            from llmgw.cp._main import admin_http_config
+            from llmgw.cp._assembly import admin_http_config
             from llmgw.cp._pages import api_client, make_pages
-            from llmgw.cp._registry import NodeRegistry
+            from llmgw.cp._fleet._registry import NodeRegistry
             from llmgw.router import serve_hypercorn
 
             admin = AdminApp(NodeRegistry(core.LivenessPolicy()), "admin-key")
@@ -60,7 +60,7 @@ async def main():
             binds = await nursery.start(serve_hypercorn, admin, hc)
             port = int(binds[0].rsplit(":", 1)[1])
         else:
-            from llmgw.cp._mirror import MirrorLimits, serve_mirror
+            from llmgw.cp._weights._mirror import MirrorLimits, serve_mirror
 
             limits = MirrorLimits(keepalive_s=keepalive)
             port = await nursery.start(partial(serve_mirror, root, "127.0.0.1", 0, limits=limits))

@@ -250,3 +250,31 @@ def test_the_private_import_check_sees_every_form() -> None:
     assert private_imports("llmgw.testing.cluster", False, "from llmgw.ctl import _cert\n") == [
         "1: llmgw.ctl._cert"
     ]
+
+
+# The control plane's wings (docs/architecture.md): which of llmgw.cp's parts each may import.
+CP_WINGS: dict[str, set[str]] = {
+    "_weights": set(),
+    "_observe": set(),
+    "_fleet": {"_weights", "_observe"},
+    "_admin": {"_fleet", "_weights", "_observe"},
+    "_pages": {"_fleet", "_weights", "_observe"},
+}
+
+
+def _cp_part(name: str) -> str | None:
+    """`llmgw.cp._fleet._registry` -> `_fleet`; None outside llmgw.cp's parts."""
+    parts = name.split(".")
+    return parts[2] if parts[:2] == ["llmgw", "cp"] and len(parts) > 2 else None
+
+
+def test_the_control_plane_wings_import_only_down() -> None:
+    cp = PACKAGE / "cp"
+    assert {p.name for p in cp.iterdir() if (p / "__init__.py").exists()} == set(CP_WINGS)
+    offenders = {}
+    for wing, allowed in CP_WINGS.items():
+        for path in (cp / wing).rglob("*.py"):
+            reached = {_cp_part(n) for n in _llmgw_imports(path)} - {None, wing}
+            if bad := sorted(str(r) for r in reached - allowed):
+                offenders[str(path.relative_to(PACKAGE))] = bad
+    assert offenders == {}

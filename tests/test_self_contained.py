@@ -73,7 +73,9 @@ def test_one_fixtures_constant() -> None:
         if re.search(r"^FIXTURES\s*=", p.read_text(errors="replace"), re.M)
     )
     assert defining == ["fuzz/targets.py", "tests/helpers.py"]
-    spec = importlib.util.spec_from_file_location("llmgw_fuzz_targets_check", REPO / "fuzz" / "targets.py")
+    spec = importlib.util.spec_from_file_location(
+        "llmgw_fuzz_targets_check", REPO / "fuzz" / "targets.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

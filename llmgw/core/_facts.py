@@ -2,7 +2,7 @@
 
 Pure: a node's record (what it registered, its last heartbeat) in, the values
 `reconcile` and `place` decide from out. Nothing here reads a clock, a file or
-a socket; the reconciler (llmgw/cp/_reconciler.py) hands in the registry's
+a socket; the reconciler (llmgw/cp/_fleet/_reconciler.py) hands in the registry's
 records and the catalog's entries, seen through the small Protocols below.
 
 - `node_facts`: a node as placement sees it: ready or why not, its cards (each
@@ -35,7 +35,7 @@ FOREIGN_MEMORY_LIMIT_MIB = 1024  # a card with more held by others is not health
 
 
 class NodeReport(Protocol):
-    """A node's record as the registry keeps it (llmgw/cp/_node_record.py)."""
+    """A node's record as the registry keeps it (llmgw/cp/_fleet/_node_record.py)."""
 
     @property
     def node_id(self) -> str: ...
@@ -57,7 +57,7 @@ class CatalogSource(Protocol):
 
 
 class CatalogProfile(Protocol):
-    """A catalog profile, as far as placement reads it (llmgw/cp/_catalog.py)."""
+    """A catalog profile, as far as placement reads it (llmgw/cp/_fleet/_catalog.py)."""
 
     @property
     def engine(self) -> str: ...

@@ -1,4 +1,5 @@
-"""`llmgw-cp`: the control plane process."""
+"""`llmgw-cp`: the control plane process: its command line, server.yaml read once
+(`load_server`), its stores opened; llmgw/cp/_assembly.py builds and starts the rest."""
 
 from __future__ import annotations
 
@@ -6,49 +7,20 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
-import attrs
-import hypercorn.config
-import prometheus_client
 import trio
 
-from llmgw import config, core
+from llmgw import config
 from llmgw._process import run_service, setup_logging
-from llmgw.cp import _catalog, _catalog_file, _engines
-from llmgw.cp._accounts import StoreKeys
-from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
-from llmgw.cp._catalog_file import CatalogFile
-from llmgw.cp._endpoints import (
-    EndpointPublisher,
-    FleetEndpoints,
-    PublishedEndpoints,
-    RoleEndpoints,
-    endpoint_id,
-)
-from llmgw.cp._fleet_metrics import FleetCollector
-from llmgw.cp._history import History
-from llmgw.cp._leader import Holder, LeaderCollector, Leadership, advertised
-from llmgw.cp._legacy import import_legacy
-from llmgw.cp._mirror import ManifestCache, serve_mirror
-from llmgw.cp._pages import api_client, make_pages
-from llmgw.cp._reconciler import Reconciler
-from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._retiring import Retiring
-from llmgw.cp._sizes import SourceSizes
-from llmgw.cp._wake import Wakeup
-from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
+from llmgw.cp._assembly import run
+from llmgw.cp._fleet import _catalog, _catalog_file, _engines
+from llmgw.cp._fleet._catalog_file import CatalogFile
+from llmgw.cp._weights._mirror import ManifestCache
+from llmgw.cp._workers import SOCKET_NAME
 from llmgw.errors import ConfigError
-from llmgw.router import Router, RouterConfig, listener_limits, serve_http, serve_hypercorn
-from llmgw.rpc import (
-    CapnpThread,
-    Deadlines,
-    HandshakeLimits,
-    check_certificates,
-    server_tls_context,
-)
+from llmgw.router import RouterConfig
 from llmgw.store import SqlStore, open_store, store_location
 
 log = logging.getLogger("llmgw.cp")
@@ -100,7 +72,7 @@ def load_server(
     (False only to check an example written for another machine)."""
     data = _catalog_file.read_data(path)  # read once: the settings, the catalog, the engines
     cfg = config.structure(data, config.ServerConfig, str(path))
-    catalog = CatalogFile(path, _catalog.parse(data, str(path)))
+    models = _catalog.parse(data, str(path))
     router_cfg = config.structure(cfg.router, RouterConfig, str(path), at="router")
     if router_cfg.workers > 1 and cfg.router_listen is None:
         raise ConfigError(
@@ -118,8 +90,8 @@ def load_server(
         config.check_tls_files(cfg.tls, path)
     config.check_mirror_dir(cfg.mirror, path)
     hashes = ManifestCache()
-    catalog.load_engines = load_engines = engine_loader(cfg, path, hashes)
-    catalog.engines = trio.run(load_engines, data)
+    load_engines = engine_loader(cfg, path, hashes)
+    catalog = CatalogFile(path, models, trio.run(load_engines, data), load_engines)
     return cfg, catalog, router_cfg, hashes
 
 
@@ -144,7 +116,7 @@ async def serve(
     try:
         # The lease on a connection of its own: a renewal never waits behind key lookups.
         lease_store = await open_configured_store(cfg)
-        await _serve(
+        await run(
             cfg,
             catalog,
             store,
@@ -159,317 +131,3 @@ async def serve(
             if lease_store is not None:
                 await lease_store.aclose()
             await store.aclose()
-
-
-async def _serve(
-    cfg: config.ServerConfig,
-    catalog: CatalogFile,
-    store: SqlStore,
-    router_cfg: RouterConfig | None = None,
-    *,
-    log_level: str | None = None,
-    hashes: ManifestCache | None = None,
-    lease_store: SqlStore | None = None,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """The control plane's parts, built (`_assemble`) and started in this order."""
-    log.info("store: %s", store.where)
-    check_certificates(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
-    tls = server_tls_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
-    key_path, created = ensure_admin_key(cfg.state_dir)
-    if created:
-        log.info("created the first admin key in %s (keep it safe)", key_path)
-    await import_legacy(cfg.state_dir, store)  # the files an older llmgw-cp kept, once
-    hashes = hashes or ManifestCache()
-    rpc_host, rpc_port = config.split_host_port(cfg.rpc_listen)
-    deadlines = Deadlines(default_s=cfg.rpc_deadline_s)
-    handshake = HandshakeLimits(
-        timeout_s=cfg.rpc_handshake_timeout_s, max_pending=cfg.rpc_max_pending_handshakes
-    )
-    async with (
-        CapnpThread.open(deadlines=deadlines, handshake=handshake) as bridge,
-        trio.open_nursery() as nursery,
-    ):
-        mirror_port = None
-        if cfg.mirror.dir is not None:
-            # Before the registry is built: every registration's Settings name its port.
-            mirror_port = await _start_mirror(nursery, cfg, cfg.mirror.dir, hashes)
-        cp = await _assemble(
-            cfg,
-            catalog,
-            store,
-            router_cfg,
-            key_path=key_path,
-            lease_store=lease_store,
-            close_connection=bridge.close_connection,
-            mirror_port=mirror_port,
-        )
-        await nursery.start(cp.registry.run)
-        await nursery.start(cp.reconciler.run)
-        # Before the RPC listener: alone on its store, this control plane leads before
-        # the first agent dials, so none is refused at start.
-        await nursery.start(cp.leadership.run)
-        nursery.start_soon(cp.publisher.run)
-        nursery.start_soon(cp.published.run)
-        nursery.start_soon(catalog.watch)
-        await nursery.start(cp.sizes.run)
-        rpc_bound = await nursery.start(bridge.serve, rpc_host, rpc_port, tls, cp.registry)
-        await nursery.start(serve_hypercorn, cp.admin, admin_http_config(cfg.admin_listen))
-        await nursery.start(cp.router.run)
-        if cfg.router_listen is not None:
-            # The lean HTTP/1.1 server, not hypercorn: profiled, hypercorn was
-            # 45% of the router's CPU (llmgw/router/_server.py says more).
-            host, port = config.split_host_port(cfg.router_listen)
-            limits = listener_limits(cp.router.config)
-            bound = await nursery.start(
-                partial(serve_http, limits=limits, reuse_port=cp.hub is not None),
-                cp.router.app,
-                host,
-                port,
-            )
-            if cp.hub is not None:
-                sock = cfg.state_dir / SOCKET_NAME
-                await nursery.start(cp.hub.serve, sock)
-                await nursery.start(supervise, cp.workers, sock, host, bound, log_level)
-            log.info(
-                "router: OpenAI API on http://%s:%d/v1%s",
-                host,
-                bound,
-                f" ({cp.workers} workers, this is 0)" if cp.hub is not None else "",
-            )
-        log.info(
-            "control plane ready: agents on %s:%d, admin API on http://%s; %s, epoch %s;"
-            " advertised as %s",
-            rpc_host,
-            rpc_bound,
-            cfg.admin_listen,
-            cp.leadership.view().role,
-            cp.leadership.epoch,
-            cp.leadership.me.describe(),
-        )
-        task_status.started()
-
-
-@attrs.frozen
-class _ControlPlane:
-    """The parts `_serve` starts, built by `_assemble`."""
-
-    registry: NodeRegistry
-    reconciler: Reconciler
-    leadership: Leadership
-    sizes: SourceSizes
-    publisher: EndpointPublisher
-    published: PublishedEndpoints
-    router: Router
-    hub: WorkerHub | None
-    workers: int
-    admin: AdminApp
-
-
-async def _assemble(
-    cfg: config.ServerConfig,
-    catalog: CatalogFile,
-    store: SqlStore,
-    router_cfg: RouterConfig | None,
-    *,
-    key_path: Path,
-    lease_store: SqlStore | None,
-    close_connection: Callable[[int], Awaitable[None]],
-    mirror_port: int | None,
-) -> _ControlPlane:
-    """Every part, each given what it needs when it is built, in an order that lets
-    it: the retiring replicas (which the reconciler notes and the endpoint list
-    reads) and the router come before the reconciler, which asks the router what is
-    in flight. Where two parts truly need each other, a small object is made first
-    and handed to both: the two wake-ups (llmgw/cp/_wake.py) that the registry, the
-    sizes and the catalog poke; and Leadership, which the registry acts under and
-    whose election and deposition reach the registry (and the reconciler) through
-    the callbacks below, called only from its `run`, once all is built."""
-    plan_again = Wakeup()  # the reconciler waits on it
-    endpoints_stale = Wakeup()  # the endpoint list recomputes when next read
-
-    async def elected(epoch: int) -> None:
-        await registry.load_state(store)  # the other control plane may have changed them
-        registry.lead(epoch)
-        reconciler.elected()  # the settle counts from now
-
-    def deposed(why: str) -> None:
-        registry.step_down(why)
-
-    def learned_leader(holder: Holder | None) -> None:
-        registry.set_leader(holder.rpc if holder is not None else None)
-
-    leadership = Leadership(
-        lease_store or store,
-        advertised(cfg),
-        cfg.lease_s,
-        elected,
-        deposed,
-        on_leader=learned_leader,
-    )
-    history = History()  # each node's last hour, one sample a heartbeat
-    # A standby until the lease is taken (llmgw/cp/_leader.py): it refuses registrations.
-    registry = NodeRegistry(
-        _policy(cfg),
-        forget_after_s=cfg.forget_after_s,
-        leading=False,
-        lease=leadership,
-        listeners=(plan_again.poke, endpoints_stale.poke),
-        close_connection=close_connection,
-        mirror_port=mirror_port,
-        mirror_tls=cfg.mirror.tls if mirror_port is not None else False,
-        engines=catalog.engines,  # before the RPC listener: every registration has it
-        history=history,
-    )
-    await registry.load_state(store)  # overrides, and the known nodes a restart waits for
-    log.info("engines: %s", _engines.describe(catalog.engines))
-    catalog.on_engines = registry.declare_engines
-    # Each fetched source's size, for placement's disk check: measured by a task of its
-    # own (llmgw/cp/_sizes.py), never inside a pass; a size that changes pokes the reconciler.
-    sizes = SourceSizes(
-        lambda: [m.source for m in catalog.catalog.models],
-        cfg.mirror.dir,
-        on_change=plan_again.poke,
-    )
-    retiring = Retiring(on_change=endpoints_stale.poke)
-    endpoints = FleetEndpoints(registry, lambda: catalog.catalog, retiring.replicas)
-    endpoints_stale.on_poke(endpoints.refresh)
-    # The router in either role: the fleet's list while leading, else the leader's, as it
-    # published it in the store (llmgw/cp/_endpoints.py).
-    published = PublishedEndpoints(store)
-    routed = RoleEndpoints(endpoints, published, registry.acting)
-    publisher = EndpointPublisher(store, endpoints, registry.acting, lambda: registry.epoch)
-    keys = StoreKeys(store)
-    admin_key = read_admin_key(key_path)
-    router = Router(router_cfg or RouterConfig(), routed, keys, admin_key=admin_key, usage=store)
-    workers = router.config.workers if cfg.router_listen is not None else 1
-    # Workers 1..N-1 run in processes of their own (llmgw/cp/_workers.py); this one is 0.
-    # Each opens the store itself (SQLite in WAL mode, or PostgreSQL) to read keys.
-    hub = (
-        WorkerHub(
-            routed,
-            workers,
-            cfg.router,
-            store_location(cfg.store, cfg.state_dir, "server.yaml"),
-            key_path,
-            config.split_host_port(cfg.admin_listen),
-        )
-        if workers > 1
-        else None
-    )
-
-    def in_flight(replica: str, node: str) -> int | None:
-        eid = endpoint_id(replica, node)
-        mine = router.in_flight(eid)  # first: it re-reads the view the workers must match
-        if hub is None:
-            return mine
-        theirs = hub.in_flight(eid)
-        return None if theirs is None else mine + theirs
-
-    reconciler = Reconciler(
-        registry,
-        lambda: catalog.catalog,
-        interval_s=cfg.reconcile_interval_s,
-        settle_s=cfg.reconcile_settle_s,
-        stop_grace_s=cfg.stop_grace_s,
-        drain_timeout_s=cfg.drain_timeout_s,
-        unhealthy_replace_s=cfg.unhealthy_replace_s,
-        engine_ports=cfg.engine_ports,
-        sizes=sizes,
-        wake=plan_again,
-        retiring=retiring,
-        # Without router_listen no requests pass here: in flight is unknown.
-        in_flight=in_flight if cfg.router_listen is not None else None,
-    )
-
-    def catalog_changed() -> None:
-        plan_again.poke()
-        sizes.poke()
-        endpoints_stale.poke()
-
-    catalog.on_change = catalog_changed
-
-    def queue_depth(node: str, replica: str) -> tuple[float | None, float | None] | None:
-        """The engine's running and waiting requests as the router last scraped them."""
-        state = router.endpoint_states().get(endpoint_id(replica, node))
-        if state is None or state.scraped_at is None:
-            return None
-        if trio.current_time() - state.scraped_at > router.score_config().stale_after_s:
-            return None  # the scorer counts it as unknown; so does the history
-        return state.running, state.waiting
-
-    history.queue = queue_depth
-    # Fleet metrics (issue 14) beside the router's, computed at each scrape; no `_created`.
-    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
-    router.metrics_registry.register(
-        FleetCollector(registry, reconciler=reconciler, catalog=lambda: catalog.catalog)
-    )
-    router.metrics_registry.register(
-        LeaderCollector(leadership, lambda: registry.commands_refused_stale)
-    )
-    admin = AdminApp(
-        registry,
-        admin_key,
-        reconciler=reconciler,
-        catalog=catalog,
-        keys=router.keys,
-        metrics=router.metrics_registry,
-        router=router if cfg.router_listen is not None else None,
-        store=store,
-        bands={b.name: b.rank for b in router.config.bands},
-    )
-    admin.leadership = leadership
-    admin.pages = make_pages(api_client(admin, admin_key), admin_key, mirror_dir=cfg.mirror.dir)
-    return _ControlPlane(
-        registry=registry,
-        reconciler=reconciler,
-        leadership=leadership,
-        sizes=sizes,
-        publisher=publisher,
-        published=published,
-        router=router,
-        hub=hub,
-        workers=workers,
-        admin=admin,
-    )
-
-
-def admin_http_config(listen: str) -> hypercorn.config.Config:
-    """hypercorn's settings for the admin listener (pages, JSON API, /metrics)."""
-    hc = hypercorn.config.Config()
-    hc.bind = [listen]
-    hc.accesslog = None
-    hc.graceful_timeout = 1.0
-    # keep_alive_timeout stays hypercorn's 5 s: a browser or ctl reconnects cheaply.
-    return hc
-
-
-async def _start_mirror(
-    nursery: trio.Nursery, cfg: config.ServerConfig, root: Path, hashes: ManifestCache
-) -> int:
-    """The weights mirror on its own listener: bytes only, nothing administrative; its port."""
-    host, port = config.split_host_port(cfg.mirror.listen)
-    # The RPC listener's certificate and key, in a context of its own (the RPC one lives
-    # in the capnp thread); it asks for a client certificate from the same CA, as the RPC
-    # listener does: the agents hold one.
-    ctx = server_tls_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key) if cfg.mirror.tls else None
-    bound = await nursery.start(
-        partial(serve_mirror, root, host, port, ssl_context=ctx, cache=hashes)
-    )
-    shown = f"[{host}]" if ":" in host else host
-    log.info(
-        "weights mirror on %s://%s:%d/ serving %s",
-        "https" if ctx is not None else "http",
-        shown,
-        bound,
-        root,
-    )
-    return int(bound)
-
-
-def _policy(cfg: config.ServerConfig) -> core.LivenessPolicy:
-    return core.LivenessPolicy(
-        heartbeat_interval_s=cfg.heartbeat_interval_s,
-        missed_heartbeats=cfg.missed_heartbeats,
-        lost_after_s=cfg.lost_after_s,
-    )

@@ -51,13 +51,13 @@ import trio
 
 from llmgw import config
 from llmgw._process import run_service, setup_logging
-from llmgw.cp._accounts import StoreKeys
 from llmgw.cp._admin import read_admin_key
 from llmgw.router import (
     Endpoint,
     EndpointSource,
     Router,
     RouterConfig,
+    StoreKeys,
     keep_worker,
     listener_limits,
     metrics_app,

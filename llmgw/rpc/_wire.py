@@ -25,7 +25,7 @@ Adding a control plane -> agent call
 
 Then the control plane calls the handle (llmgw/cp/). Calls the other way
 (agent -> control plane, `NodeSession`) go in llmgw/rpc/_registry.py the same
-way, with their servant in llmgw/cp/_registry.py.
+way, with their servant in llmgw/cp/_fleet/_registry.py.
 """
 
 from __future__ import annotations

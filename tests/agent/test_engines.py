@@ -30,7 +30,7 @@ from llmgw.agent._servant import AgentServant
 from llmgw.agent._sources import ControlPlane
 from llmgw.agent._supervisor import Supervisor
 from llmgw.agent.discovery import RunResult, probe_engines
-from llmgw.cp._mirror import serve_mirror
+from llmgw.cp._weights._mirror import serve_mirror
 from llmgw.errors import StaleEpoch
 from llmgw.host.packages import PackageInstaller
 

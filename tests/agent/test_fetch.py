@@ -25,7 +25,7 @@ from helpers import require
 
 from llmgw.agent._fetch import ETAG_SUFFIX, MARKER, Fetcher, FetchError
 from llmgw.core import cache_name
-from llmgw.cp._mirror import serve_mirror
+from llmgw.cp._weights._mirror import serve_mirror
 
 MiB = 1 << 20
 

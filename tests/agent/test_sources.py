@@ -25,7 +25,7 @@ from llmgw.agent._sources import ControlPlane, Sources
 from llmgw.agent._supervisor import Supervisor
 from llmgw.agent.discovery import scan_weights
 from llmgw.core import cache_name
-from llmgw.cp._mirror import serve_mirror
+from llmgw.cp._weights._mirror import serve_mirror
 from llmgw.testing.cluster import free_port
 
 PY = sys.executable

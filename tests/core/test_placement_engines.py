@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from llmgw import model
 from llmgw.core import engine_facts
 from llmgw.core._placement import NodeFacts, Placement, PlacementProfile, Refusal, place
-from llmgw.cp._engines import declare
+from llmgw.cp._fleet._engines import declare
 
 LLAMA = model.EngineDecl("llama-server", "b6123", (model.EngineArchive("cpu-x86_64", "x", "0"),))
 DECLS = declare((LLAMA, model.EngineDecl("vllm", "0.9.2", requirement="vllm==0.9.2")))

@@ -77,7 +77,7 @@ def test_the_columns_are_what_the_plan_and_the_event_log_used_to_spell_out() -> 
 
 
 def test_the_event_log_asks_the_table() -> None:
-    from llmgw.cp._events import REPLACED_STATES
+    from llmgw.cp._observe._events import REPLACED_STATES
 
     assert REPLACED_STATES is REPLACED_REPLICA_STATES
 

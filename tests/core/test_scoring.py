@@ -381,9 +381,7 @@ def test_no_endpoint_gets_more_than_twice_its_fair_share_without_shared_prefixes
 
 @settings(max_examples=60)
 @given(st.integers(2, 8), st.floats(0, 2), st.integers(1, 40), st.integers(0, 2**32))
-def test_one_hot_prefix_cannot_make_a_hotspot(
-    n: int, epsilon: float, busy: int, seed: int
-) -> None:
+def test_one_hot_prefix_cannot_make_a_hotspot(n: int, epsilon: float, busy: int, seed: int) -> None:
     """Every request carries the prefix only e0 holds; e0 takes them while within the
     bound and not one past it."""
     config = ScoringConfig(epsilon=epsilon)

@@ -16,7 +16,7 @@ from helpers import postgres_server, register
 
 from llmgw import core
 from llmgw.cp._admin import AdminApp
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.keys import TenantLimits, UsageRow, digest
 from llmgw.router._keys import CachedKeys, StoreKeys
 from llmgw.store import SqlStore, open_store

@@ -9,7 +9,7 @@ from helpers import register
 
 from llmgw import config, core
 from llmgw.cp._admin import _NODES_PER_SLICE, AdminApp
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._registry import NodeRegistry
 
 
 async def test_the_node_list_is_rendered_in_slices_other_tasks_run_between() -> None:

@@ -11,7 +11,7 @@ from helpers import asgi_call, register
 
 from llmgw import core
 from llmgw.cp._admin import AdminApp
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._registry import NodeRegistry
 
 
 class LogsAgent:

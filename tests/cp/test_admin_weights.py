@@ -1,4 +1,4 @@
-"""The admin API on weights (llmgw/cp/_admin/_weights.py, llmgw/cp/_holdings.py): a starting
+"""The admin API on weights (llmgw/cp/_admin/_weights.py, llmgw/cp/_weights/_holdings.py): a starting
 replica's download, what each node holds and who wants it, reclaim per node, and what
 each fabric holds. Through the real AdminApp as ASGI; the agents are stand-ins that
 answer `reclaim` (the real agent's side is tested in tests/ctl/test_ctl_weights.py)."""
@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw import core, model
-from llmgw.cp import _holdings
 from llmgw.cp._admin import AdminApp
-from llmgw.cp._catalog import Catalog, CatalogModel
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._catalog import Catalog, CatalogModel
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._weights import _holdings
 from llmgw.errors import DeadlineExceeded
 
 WD = "/var/lib/llmgw-weights"

@@ -17,7 +17,7 @@ from helpers import REPO, asgi_call
 
 from llmgw import core
 from llmgw.cp._admin import AdminApp
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._registry import NodeRegistry
 
 DOC = REPO / "docs" / "api.md"
 HEADING = re.compile(r"^### `(GET|POST|PUT|PATCH|DELETE) (/api/v1/[^`\s]*)`$", re.M)

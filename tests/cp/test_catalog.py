@@ -1,4 +1,4 @@
-"""Each of the catalog's error messages, with its whole path (llmgw/cp/_catalog.py)."""
+"""Each of the catalog's error messages, with its whole path (llmgw/cp/_fleet/_catalog.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.cp._catalog import parse
+from llmgw.cp._fleet._catalog import parse
 from llmgw.errors import ConfigError
 
 CPU = {"engine": "llama-server", "gpus_per_node": 0}

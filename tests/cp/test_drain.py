@@ -22,9 +22,9 @@ import trio.testing
 from helpers import alive, api_nodes, ready_shards, start_tiny_fleet, tiny_catalog
 
 from llmgw import core, model
-from llmgw.cp._catalog import parse
-from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._catalog import parse
+from llmgw.cp._fleet._endpoints import FleetEndpoints, endpoint_id
+from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.errors import NotFound, UsageError
 from llmgw.router import Router, RouterConfig, StaticKeys
 from llmgw.rpc import PeerInfo

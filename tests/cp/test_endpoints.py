@@ -1,4 +1,4 @@
-"""The router's view of the fleet (llmgw/cp/_endpoints.py): which shards are endpoints."""
+"""The router's view of the fleet (llmgw/cp/_fleet/_endpoints.py): which shards are endpoints."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import trio
 from helpers import register
 
 from llmgw import core, model
-from llmgw.cp._catalog import Catalog, parse
-from llmgw.cp._endpoints import FleetEndpoints, endpoint_id
-from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._wake import Wakeup
+from llmgw.cp._fleet._catalog import Catalog, parse
+from llmgw.cp._fleet._endpoints import FleetEndpoints, endpoint_id
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._fleet._wake import Wakeup
 from llmgw.router._types import Endpoint
 
 POLICY = core.LivenessPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3, lost_after_s=5.0)
@@ -22,7 +22,12 @@ def catalog() -> Catalog:
     return parse(
         {
             "models": [
-                {"name": "chat", "source": "/m/chat.gguf", "served_names": ["chat", "chat-v2"], "profiles": cpu},
+                {
+                    "name": "chat",
+                    "source": "/m/chat.gguf",
+                    "served_names": ["chat", "chat-v2"],
+                    "profiles": cpu,
+                },
                 {"name": "embed", "source": "/m/embed.gguf", "profiles": cpu},
             ]
         },
@@ -31,7 +36,12 @@ def catalog() -> Catalog:
 
 
 def shard(
-    sid: str, name: str | None, port: int | None = 8100, state: str = "ready", rank: int = 0, replica: str | None = None
+    sid: str,
+    name: str | None,
+    port: int | None = 8100,
+    state: str = "ready",
+    rank: int = 0,
+    replica: str | None = None,
 ) -> model.ShardReport:
     return model.ShardReport(
         sid,
@@ -79,7 +89,9 @@ async def test_version_moves_only_when_the_list_changes(autojump_clock: Any) -> 
     assert fleet.version == 1 and all(eps == () for eps in fleet.snapshot().values())
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
-        _agent, peer, session = await register(registry, "n1", address="10.0.0.1:5000", shards=(shard("a", "chat"),))
+        _agent, peer, session = await register(
+            registry, "n1", address="10.0.0.1:5000", shards=(shard("a", "chat"),)
+        )
         fleet.refresh()
         assert fleet.version == 2 and len(fleet.snapshot()["chat"]) == 1
         fleet.refresh()  # nothing changed: the router is not made to re-read it
@@ -125,7 +137,12 @@ async def test_a_register_storm_does_not_walk_the_fleet_per_registration() -> No
 
     registry.records = counting  # type: ignore[method-assign]
     for i in range(50):
-        await register(registry, f"n{i}", address=f"10.0.1.{i}:5000", shards=(shard(f"s{i}", "chat", replica=f"r{i}"),))
+        await register(
+            registry,
+            f"n{i}",
+            address=f"10.0.1.{i}:5000",
+            shards=(shard(f"s{i}", "chat", replica=f"r{i}"),),
+        )
     assert walks == 0
     assert len(fleet.snapshot()["chat"]) == 50 and walks == 1
     assert fleet.version == 1 and len(fleet.snapshot()["embed"]) == 0 and walks == 1

@@ -15,12 +15,12 @@ import trio
 from helpers import FakeAgent, register
 
 from llmgw import core, model
-from llmgw.cp import _engines
-from llmgw.cp._catalog import Catalog
-from llmgw.cp._catalog_file import CatalogFile
-from llmgw.cp._engines import DEFAULT_LLAMA_SERVER, conventional_url, declare, load
-from llmgw.cp._mirror import ManifestCache
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet import _engines
+from llmgw.cp._fleet._catalog import Catalog
+from llmgw.cp._fleet._catalog_file import CatalogFile
+from llmgw.cp._fleet._engines import DEFAULT_LLAMA_SERVER, conventional_url, declare, load
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._weights._mirror import ManifestCache
 from llmgw.errors import ConfigError
 from llmgw.rpc import PeerInfo
 from llmgw.testing.cluster import LocalCluster, free_port, wait_for
@@ -227,7 +227,6 @@ async def test_a_reload_that_changes_the_fingerprint_is_pushed_to_every_agent(
     first = await loader({"engines": {"vllm": {"version": "0.9.2"}}})
     catalog = CatalogFile(path, Catalog(), first, loader)
     registry = NodeRegistry(POLICY, epoch=7, engines=catalog.engines)
-    catalog.on_engines = registry.declare_engines
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
         good, bad = DeclaringAgent("a"), DeclaringAgent("b", fail=True)
@@ -239,12 +238,12 @@ async def test_a_reload_that_changes_the_fingerprint_is_pushed_to_every_agent(
         _, settings = await registry.register(peer, hello, FakeAgent("c"))
         assert settings.engines == first
 
-        assert await catalog.reload("unchanged") is True
+        assert await catalog.reload("unchanged", on_engines=registry.declare_engines) is True
         await trio.testing.wait_all_tasks_blocked()
         assert good.declared == [] and bad.declared == []  # same fingerprint: nothing sent
 
         path.write_text("engines:\n  vllm: {version: 0.9.3}\n")
-        assert await catalog.reload("SIGHUP") is True
+        assert await catalog.reload("SIGHUP", on_engines=registry.declare_engines) is True
         with trio.fail_after(5):
             await good.called.wait()
             await bad.called.wait()
@@ -262,13 +261,13 @@ async def test_a_reload_that_changes_the_fingerprint_is_pushed_to_every_agent(
 
         # A bad file is refused whole: the engines stay, nobody is told anything.
         path.write_text("engines:\n  vllm: {version: '..'}\n")
-        assert await catalog.reload("SIGHUP") is False
+        assert await catalog.reload("SIGHUP", on_engines=registry.declare_engines) is False
         assert catalog.engines is not None and catalog.engines.engines[0].version == "0.9.3"
 
         # The key gone: nothing declared, and the agents are told so (an empty one).
         path.write_text("models: []\n")
         good.called = trio.Event()
-        assert await catalog.reload("SIGHUP") is True
+        assert await catalog.reload("SIGHUP", on_engines=registry.declare_engines) is True
         with trio.fail_after(5):
             await good.called.wait()
         assert registry.engines is None

@@ -9,7 +9,8 @@ import trio
 import trio.testing
 
 from llmgw import core, model
-from llmgw.cp._events import (
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._observe._events import (
     COMMAND_STUCK,
     NODE_STATE,
     REPLICA_STOPPED,
@@ -18,7 +19,6 @@ from llmgw.cp._events import (
     EventLog,
     split_reason,
 )
-from llmgw.cp._registry import NodeRegistry
 from llmgw.rpc import PeerInfo
 
 KILLED = (
@@ -219,7 +219,7 @@ def test_reading_never_changes_it() -> None:
 
 
 def test_the_event_log_does_no_io() -> None:
-    source = Path(__file__).resolve().parents[2] / "llmgw" / "cp" / "_events.py"
+    source = Path(__file__).resolve().parents[2] / "llmgw" / "cp" / "_observe" / "_events.py"
     names: set[str] = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):

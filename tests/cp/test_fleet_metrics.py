@@ -21,10 +21,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw import core, model
-from llmgw.cp._catalog import Catalog, CatalogModel, Profile
-from llmgw.cp._fleet_metrics import DOCS, LABEL_MAX, FleetCollector, FleetInput, fleet_families
-from llmgw.cp._reconciler import Unplaced
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile
+from llmgw.cp._fleet._fleet_metrics import (
+    DOCS,
+    LABEL_MAX,
+    FleetCollector,
+    FleetInput,
+    fleet_families,
+)
+from llmgw.cp._fleet._reconciler import Unplaced
+from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.testing import fake_engine, fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for
 
@@ -171,7 +177,7 @@ def test_replicas_models_and_hostile_labels() -> None:
         # Two filesystems an agent named alike: one series, else Prometheus refuses it all.
         usage=model.Usage(filesystems=(twice, attrs.evolve(twice, free_bytes=2))),
     )
-    from llmgw.cp._registry import NodeRecord
+    from llmgw.cp._fleet._registry import NodeRecord
 
     rec = NodeRecord(
         node_id=huge,
@@ -249,7 +255,7 @@ maybe_float = st.none() | st.floats(allow_nan=True, allow_infinity=True)
 def test_only_what_was_reported_and_fresh_is_exported(
     cpu: float | None, total: int | None, avail: int | None, load1: float | None, age: float
 ) -> None:
-    from llmgw.cp._registry import NodeRecord
+    from llmgw.cp._fleet._registry import NodeRecord
 
     usage = model.Usage(
         memory_total_bytes=total, memory_available_bytes=avail, load1=load1, cpu_util_pct=cpu

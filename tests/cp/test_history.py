@@ -1,4 +1,4 @@
-"""An hour of each node's figures in the control plane (llmgw/cp/_history.py).
+"""An hour of each node's figures in the control plane (llmgw/cp/_observe/_history.py).
 
 Unit tests on an injected clock (exact values in their buckets, gaps as null,
 an hour wrapping, the memory bound), a hypothesis walk against a dict model,
@@ -22,10 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw import core, model
-from llmgw.cp import _history
 from llmgw.cp._admin import AdminApp, HttpError
-from llmgw.cp._history import NODE_BYTES_BOUND, History
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._observe import _history
+from llmgw.cp._observe._history import NODE_BYTES_BOUND, History
 from llmgw.testing.cluster import LocalCluster, wait_for
 
 GIB = 1 << 30
@@ -78,11 +78,11 @@ def report(shard: str, replica: str | None = "r1", rank: int = 0) -> model.Shard
 
 def test_each_sample_lands_in_its_bucket_and_what_was_not_said_is_null() -> None:
     clock = Clock(1000.0)  # bucket 100 of 10 s
-    h = history(clock, resolution_s=10, span_s=60)  # six buckets: 95..100 at first
     depth: dict[tuple[str, str], tuple[float | None, float | None] | None] = {
         ("n1", "r1"): (2.0, 3.0)
     }
-    h.queue = lambda node, replica: depth.get((node, replica))
+    # Six buckets: 95..100 at first.
+    h = history(clock, resolution_s=10, span_s=60, queue=lambda n, r: depth.get((n, r)))
     h.record("n1", full_usage(10.0), (report("s1"),))
     clock.t = 1005.0  # the same bucket: the last heartbeat's figures win
     h.record("n1", full_usage(20.0), (report("s1"),))
@@ -134,14 +134,13 @@ def test_each_sample_lands_in_its_bucket_and_what_was_not_said_is_null() -> None
 
 def test_only_a_serving_rank_of_a_catalog_replica_asks_the_router_for_its_queue() -> None:
     clock = Clock(0.0)
-    h = history(clock, resolution_s=10, span_s=20)
     asked: list[tuple[str, str]] = []
 
     def queue(node: str, replica: str) -> tuple[float | None, float | None]:
         asked.append((node, replica))
         return (1.0, 0.0)
 
-    h.queue = queue
+    h = history(clock, resolution_s=10, span_s=20, queue=queue)
     shards = (report("a", "ra"), report("b", "rb", rank=1), report("c", None))
     h.record("n1", full_usage(1.0, shards=("a", "b", "c")), shards)
     assert asked == [("n1", "ra")]

@@ -1,5 +1,5 @@
 """Leadership over a real store: one leader, deposition the moment renewal fails,
-takeover after expiry with the next epoch; "single" on SQLite (llmgw/cp/_leader.py)."""
+takeover after expiry with the next epoch; "single" on SQLite (llmgw/cp/_fleet/_leader.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw import config
-from llmgw.cp._leader import Holder, Leadership, advertised, resolve_address
+from llmgw.cp._fleet._leader import Holder, Leadership, advertised, resolve_address
 from llmgw.errors import PeerError
 from llmgw.store import Lease, SqlStore, open_store
 

@@ -1,4 +1,4 @@
-"""The weights mirror (llmgw/cp/_mirror.py), through real sockets on loopback."""
+"""The weights mirror (llmgw/cp/_weights/_mirror.py), through real sockets on loopback."""
 
 from __future__ import annotations
 
@@ -20,16 +20,8 @@ import trustme
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.cp._mirror import (
-    UNSATISFIABLE,
-    ManifestCache,
-    MirrorLimits,
-    Refusal,
-    Target,
-    parse_range,
-    parse_target,
-    serve_mirror,
-)
+from llmgw.cp._weights._mirror import ManifestCache, MirrorLimits, serve_mirror
+from llmgw.cp._weights._paths import UNSATISFIABLE, Refusal, Target, parse_range, parse_target
 
 PART_A = bytes(range(256)) * 40  # 10240 bytes
 PART_B = b"the second part\n" * 100
@@ -254,7 +246,7 @@ async def test_a_directory_without_its_slash_and_a_file_with_one_are_404(mirror:
 async def test_a_file_that_changes_while_hashed_is_503_and_not_cached(
     mirror: Mirror, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llmgw.cp import _mirror
+    from llmgw.cp._weights import _mirror
 
     real_hash = _mirror._hash_file
 

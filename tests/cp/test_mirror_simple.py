@@ -20,14 +20,13 @@ import trustme
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.cp._mirror import (
+from llmgw.cp._weights._mirror import ManifestCache, serve_mirror
+from llmgw.cp._weights._paths import (
     SIMPLE_JSON,
-    ManifestCache,
     is_project_name,
     normalize,
     project_list,
     project_page,
-    serve_mirror,
     wants_json,
 )
 

@@ -1,4 +1,4 @@
-"""Operator overrides and known nodes live in the store (llmgw/cp/_registry.py), and what an
+"""Operator overrides and known nodes live in the store (llmgw/cp/_fleet/_registry.py), and what an
 older llmgw-cp kept in files is imported into it once (llmgw/cp/_legacy.py)."""
 
 from __future__ import annotations

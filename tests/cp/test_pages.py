@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 
 from llmgw import core, model
 from llmgw.cp._admin import AdminApp
-from llmgw.cp._catalog import Catalog, CatalogModel, Profile, fingerprint
-from llmgw.cp._catalog_file import CatalogFile
-from llmgw.cp._history import History
+from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile, fingerprint
+from llmgw.cp._fleet._catalog_file import CatalogFile
+from llmgw.cp._fleet._reconciler import Reconciler
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._observe._history import History
 from llmgw.cp._pages import COOKIE, Sessions, api_client, make_pages
 from llmgw.cp._pages._app import MAX_SESSIONS, SESSION_TTL_S
 from llmgw.cp._pages._view import DASH, chart
-from llmgw.cp._reconciler import Reconciler
-from llmgw.cp._registry import NodeRegistry
 from llmgw.router._keys import StoreKeys
 from llmgw.router._main import open_keys_db
 from llmgw.testing.cluster import LocalCluster

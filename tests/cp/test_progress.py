@@ -1,4 +1,4 @@
-"""A fetch's progress in the registry (llmgw/cp/_registry.py): kept beside the node's
+"""A fetch's progress in the registry (llmgw/cp/_fleet/_registry.py): kept beside the node's
 record, with a smoothed rate; cleared by a transition, a new registration, a lost
 connection and silence; never a state change anyone plans from; bounded."""
 
@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw import core, model
-from llmgw.cp._progress import (
+from llmgw.cp._fleet._progress import (
     PROGRESS_PER_NODE,
     PROGRESS_RATE_TAU_S,
     PROGRESS_SILENCE_S,
@@ -23,7 +23,7 @@ from llmgw.cp._progress import (
     FetchProgress,
     next_progress,
 )
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._registry import NodeRegistry
 
 SRC = "mirror:/qwen-7b/"
 

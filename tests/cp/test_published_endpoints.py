@@ -1,4 +1,4 @@
-"""The leader's endpoint list through the store, for a standby's router (llmgw/cp/_endpoints.py)."""
+"""The leader's endpoint list through the store, for a standby's router (llmgw/cp/_fleet/_endpoints.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.cp._endpoints import (
+from llmgw.cp._fleet._endpoints import (
     EndpointPublisher,
     PublishedEndpoints,
     RoleEndpoints,

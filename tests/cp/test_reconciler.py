@@ -17,10 +17,10 @@ import trio.testing
 
 from llmgw import core, model
 from llmgw.core import node_facts
-from llmgw.cp._catalog import Catalog, parse
-from llmgw.cp._reconciler import Reconciler
-from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._wake import Wakeup
+from llmgw.cp._fleet._catalog import Catalog, parse
+from llmgw.cp._fleet._reconciler import Reconciler
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._fleet._wake import Wakeup
 from llmgw.errors import DeadlineExceeded
 from llmgw.rpc import PeerInfo
 from llmgw.store import open_store

@@ -9,7 +9,7 @@ import trio
 from helpers import register
 
 from llmgw import core, model
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.errors import RegistrationRefused
 
 POLICY = core.LivenessPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3, lost_after_s=10.0)

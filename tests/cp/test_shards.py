@@ -1,4 +1,4 @@
-"""The port chooser and `ctl shard start`'s checks (llmgw/cp/_shards.py)."""
+"""The port chooser and `ctl shard start`'s checks (llmgw/cp/_fleet/_shards.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from helpers import register
 
 from llmgw import core, model
-from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._shards import PORTS, free_port, manual_shard, ports_taken, served_name_for
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._fleet._shards import PORTS, free_port, manual_shard, ports_taken, served_name_for
 from llmgw.errors import UsageError
 
 
@@ -33,7 +33,9 @@ def shard(sid: str, port: int | None, state: str = "ready") -> model.ShardReport
 async def test_ports_are_taken_per_host_not_per_node() -> None:
     registry = NodeRegistry(core.LivenessPolicy())
     # Two agents on one host (node-a and node-b) and one on another.
-    await register(registry, "node-a", shards=(shard("s1", 8100), shard("s2", None)), address="10.1.1.1:5000")
+    await register(
+        registry, "node-a", shards=(shard("s1", 8100), shard("s2", None)), address="10.1.1.1:5000"
+    )
     await register(registry, "node-b", shards=(shard("s3", 8101),), address="10.1.1.1:5001")
     await register(registry, "node-c", shards=(shard("s4", 8100),), address="[fd00::7]:5000")
     assert ports_taken(registry.records()) == {"10.1.1.1": {8100, 8101}, "fd00::7": {8100}}

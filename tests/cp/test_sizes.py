@@ -1,4 +1,4 @@
-"""Source sizes (llmgw/cp/_sizes.py): the mirror's directory read directly, HEAD and
+"""Source sizes (llmgw/cp/_weights/_sizes.py): the mirror's directory read directly, HEAD and
 manifests against the real mirror on loopback, and what leaves a size unknown."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import trio
 import trustme
 
-from llmgw.cp._mirror import serve_mirror
-from llmgw.cp._sizes import SourceSizes, Unknown, mirror_size
+from llmgw.cp._weights._mirror import serve_mirror
+from llmgw.cp._weights._sizes import SourceSizes, Unknown, mirror_size
 
 PART_A = b"a" * 10240
 PART_B = b"b" * 1600

@@ -19,11 +19,11 @@ from llmgw.agent._servant import AgentServant
 from llmgw.agent._session import AgentSession, Backoff
 from llmgw.core._reconcile import Stop
 from llmgw.cp._admin import AdminApp
-from llmgw.cp._catalog import Catalog
-from llmgw.cp._leader import Holder, LeaderView
-from llmgw.cp._reconciler import Reconciler
-from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._wake import Wakeup
+from llmgw.cp._fleet._catalog import Catalog
+from llmgw.cp._fleet._leader import Holder, LeaderView
+from llmgw.cp._fleet._reconciler import Reconciler
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._fleet._wake import Wakeup
 from llmgw.errors import RegistrationRefused
 from llmgw.rpc import CapnpThread, PeerInfo
 
@@ -192,8 +192,7 @@ class FakeLeadership:
 
 async def test_the_admin_api_on_a_standby_is_read_only_and_names_the_leader() -> None:
     registry = NodeRegistry(POLICY, leading=False)
-    app = AdminApp(registry, "key")
-    app.leadership = FakeLeadership("standby", LEADER)  # type: ignore[assignment]
+    app = AdminApp(registry, "key", leadership=FakeLeadership("standby", LEADER))
     status, body = await asgi(app, "POST", "/api/v1/nodes/n1/cordon", {"reason": "x"})
     assert status == 409
     assert body == {
@@ -215,7 +214,7 @@ async def test_the_admin_api_on_a_standby_is_read_only_and_names_the_leader() ->
         "me": {"rpc": "127.0.0.1:7071", "admin": "127.0.0.1:8082"}, "lease_s": 10.0,
         "commands_refused_stale": 0,
     }  # fmt: skip
-    app.leadership = FakeLeadership("standby", None)  # type: ignore[assignment]
+    app = AdminApp(registry, "key", leadership=FakeLeadership("standby", None))
     status, body = await asgi(app, "POST", "/api/v1/nodes/n1/cordon", {"reason": "x"})
     assert status == 409 and body["leader"] is None
     assert body["error"]["message"].startswith("standby; no leader yet")
@@ -272,7 +271,7 @@ class RecordingAgent(FakeAgent):
 
 
 def tiny() -> Catalog:
-    from llmgw.cp._catalog import parse
+    from llmgw.cp._fleet._catalog import parse
 
     return parse(
         {"models": [{"name": "tiny", "source": "/models/tiny.gguf", "replicas": 1,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from llmgw.cp._retiring import Retiring
-from llmgw.cp._wake import Wakeup
+from llmgw.cp._fleet._retiring import Retiring
+from llmgw.cp._fleet._wake import Wakeup
 
 
 async def test_a_poke_before_the_wait_ends_it_at_once_and_only_once(

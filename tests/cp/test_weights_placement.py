@@ -20,11 +20,11 @@ from helpers import register
 
 from llmgw import core, model
 from llmgw.core import node_facts, placement_profile, weights_key
-from llmgw.cp._catalog import Catalog, parse
-from llmgw.cp._reconciler import Reconciler, Unplaced
-from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._sizes import MEASURING, SourceSizes
-from llmgw.cp._wake import Wakeup
+from llmgw.cp._fleet._catalog import Catalog, parse
+from llmgw.cp._fleet._reconciler import Reconciler, Unplaced
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._fleet._wake import Wakeup
+from llmgw.cp._weights._sizes import MEASURING, SourceSizes
 from llmgw.testing import fake_engine
 from llmgw.testing.cluster import LocalCluster, wait_for
 

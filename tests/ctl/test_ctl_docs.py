@@ -21,7 +21,9 @@ MENTION = re.compile(r"llmgw\s+ctl\s+([a-z][a-z-]*)(?:[ \t]*\n?[ \t]*\b([a-z][a-
 
 
 def test_a_mention_wrapped_over_a_line_break_is_read() -> None:
-    text = "The agent keeps its own ring (`llmgw ctl\n  node-logs`); see `llmgw\nctl nodes\n  forget`."
+    text = (
+        "The agent keeps its own ring (`llmgw ctl\n  node-logs`); see `llmgw\nctl nodes\n  forget`."
+    )
     assert MENTION.findall(text) == [("node-logs", ""), ("nodes", "forget")]
 
 

@@ -8,7 +8,7 @@ from helpers import register
 
 from llmgw import core, model
 from llmgw.cp._admin import AdminApp
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.ctl._tables import format_engines, format_nodes
 
 AVX2 = "CPU without AVX2: llama-server's CPU builds need it"

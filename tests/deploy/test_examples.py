@@ -32,12 +32,13 @@ from helpers import FIXTURES, REPO, register
 
 from llmgw import config, model
 from llmgw.agent.discovery import SubprocessRunner, collect_inventory
-from llmgw.cp import _catalog, _catalog_file, _engines
 from llmgw.cp._admin import AdminApp
-from llmgw.cp._catalog_file import CatalogFile
-from llmgw.cp._main import _policy, load_server
-from llmgw.cp._reconciler import Reconciler, Unplaced
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._assembly import policy
+from llmgw.cp._fleet import _catalog, _catalog_file, _engines
+from llmgw.cp._fleet._catalog_file import CatalogFile
+from llmgw.cp._fleet._reconciler import Reconciler, Unplaced
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._main import load_server
 from llmgw.errors import ConfigError
 from llmgw.router import RouterConfig
 from llmgw.testing import fake_engine, fake_nvidia_smi
@@ -242,7 +243,7 @@ async def test_ctl_place_dry_run_places_every_example_model_on_a_recorded_fleet(
 
     cfg = loaded.cfg
     registry = NodeRegistry(
-        _policy(cfg), forget_after_s=cfg.forget_after_s, engines=loaded.catalog.engines
+        policy(cfg), forget_after_s=cfg.forget_after_s, engines=loaded.catalog.engines
     )
     for node, inv in fleet.items():
         await register(registry, node, inventory=inv)
@@ -305,7 +306,7 @@ async def test_the_fabrics_interface_reaches_the_two_node_engines_environment(
     gpu_agent = config.load(EXAMPLES / "agent.yaml", config.AgentConfig)
     assert gpu_agent.fabrics["ib-a"].interface == "ib0"
     registry = NodeRegistry(
-        _policy(loaded.cfg),
+        policy(loaded.cfg),
         forget_after_s=loaded.cfg.forget_after_s,
         engines=loaded.catalog.engines,
     )
@@ -339,7 +340,7 @@ async def test_the_recorded_fleet_refuses_what_it_cannot_hold(tmp_path: Path) ->
     with the nodes' reasons, and the CPU model has nowhere to go without its CPU node."""
     loaded = await trio.to_thread.run_sync(load_like_llmgw_cp, server_yaml(tmp_path))
     gpu_agent = attrs.evolve(config.load(EXAMPLES / "agent.yaml", config.AgentConfig), fabrics={})
-    registry = NodeRegistry(_policy(loaded.cfg), engines=loaded.catalog.engines)
+    registry = NodeRegistry(policy(loaded.cfg), engines=loaded.catalog.engines)
     for node in ("gpu-1", "gpu-2"):
         inv = inventory(tmp_path / node, node, gpu_agent, "8xh100-80g")
         await register(registry, node, inventory=inv)

@@ -14,7 +14,7 @@ from typing import Any
 from helpers import REPO, documented_metrics, require
 from ruamel.yaml import YAML
 
-from llmgw.cp._fleet_metrics import DOCS
+from llmgw.cp._fleet._fleet_metrics import DOCS
 
 DEPLOY = REPO / "deploy" / "prometheus"
 METRIC = re.compile(r"\bllmgw_[a-z0-9_]+")
@@ -32,8 +32,6 @@ def promtool(*args: str) -> str:
 
 def load(name: str) -> Any:
     return YAML(typ="safe").load((DEPLOY / name).read_text())
-
-
 
 
 def families(expr: str) -> set[str]:

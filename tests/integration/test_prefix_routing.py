@@ -26,7 +26,28 @@ from llmgw.router._types import Endpoint
 from llmgw.testing.cluster import free_port, wait_for
 
 AUTH = {"Authorization": f"Bearer {SECRET_A}"}
-WORDS = ["the", "a", "of", "and", "to", "in", "is", "it", "that", "was", "he", "for", "on", "are", "as", "with", "his", "they", "at", "be"]
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "that",
+    "was",
+    "he",
+    "for",
+    "on",
+    "are",
+    "as",
+    "with",
+    "his",
+    "they",
+    "at",
+    "be",
+]
 
 
 class Llama:
@@ -60,8 +81,9 @@ def llamas(tmp_path: Path, tiny_model: Path) -> Iterator[list[Llama]]:
         for s in started:
             wait_for(
                 f"llama-server on {s.port}",
-                lambda s=s: httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=2).status_code
-                == 200,
+                lambda s=s: (
+                    httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=2).status_code == 200
+                ),
                 timeout=60,
                 interval=0.1,
             )

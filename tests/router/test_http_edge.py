@@ -278,9 +278,7 @@ async def _get_then_head(port: int, path: bytes, extra: bytes = b"") -> tuple[by
 
 @SERVERS
 @pytest.mark.parametrize("path", [b"/healthz", b"/health", b"/v1/models", b"/v1/models/chat"])
-async def test_head_is_get_without_a_body(
-    server: str, path: bytes, start_engine: Any
-) -> None:
+async def test_head_is_get_without_a_body(server: str, path: bytes, start_engine: Any) -> None:
     fe = start_engine("chat")
     async with serve_router([fe.endpoint()], server=server, run=False) as r:
         head, get = await _get_then_head(r.port, path, AUTH)
@@ -299,7 +297,9 @@ async def test_head_on_the_metrics_listener() -> None:
             assert statuses(head) == [200]
             assert head.endswith(b"\r\n\r\n")
             assert header(head, b"content-length") == header(get, b"content-length")
-        reply, _ = await exchange(port, b"POST /metrics HTTP/1.1\r\n" + HOST + b"connection: close\r\n\r\n")
+        reply, _ = await exchange(
+            port, b"POST /metrics HTTP/1.1\r\n" + HOST + b"connection: close\r\n\r\n"
+        )
         assert statuses(reply) == [405]
         assert header(reply, b"allow") == b"GET, HEAD"
         nursery.cancel_scope.cancel()
@@ -336,9 +336,7 @@ async def test_allow_date_and_request_ids(server: str) -> None:
     assert len(ids) == len(replies)  # one id per request
 
 
-async def _scripted_engine(
-    nursery: trio.Nursery, reply_head: bytes, write_body: Any
-) -> int:
+async def _scripted_engine(nursery: trio.Nursery, reply_head: bytes, write_body: Any) -> int:
     """An engine that answers every request with `reply_head`, then `write_body(stream)`."""
 
     async def handle(stream: trio.SocketStream) -> None:
@@ -559,7 +557,6 @@ async def test_413_reaches_the_async_sdk(server: str) -> None:
             assert info.value.status_code == 413
             assert "over the limit of 1048576 bytes" in info.value.message
         await client.close()
-
 
 
 @SERVERS

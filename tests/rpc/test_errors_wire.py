@@ -156,7 +156,9 @@ def test_unknown_code_and_foreign_text_are_remote_errors() -> None:
     assert type(back) is RemoteError
     assert str(back) == "logs: m"
     # No envelope (an old peer, capnp itself): the text as it is, never parsed for kinds.
-    back = _wire.map_remote_error(Exception("refused: not implemented; standby; leader is x:1"), "logs")
+    back = _wire.map_remote_error(
+        Exception("refused: not implemented; standby; leader is x:1"), "logs"
+    )
     assert type(back) is RemoteError
     assert str(back) == "logs: refused: not implemented; standby; leader is x:1"
 
@@ -198,7 +200,9 @@ async def test_every_code_round_trips_through_a_real_connection(pki: Path) -> No
             # A method the servant lacks.
             with pytest.raises(NotImplementedRemotely) as missing:
                 await agent.call_unimplemented("logSources")
-            assert str(missing.value) == "logSources: log_sources is not supported by this agent yet"
+            assert (
+                str(missing.value) == "logSources: log_sources is not supported by this agent yet"
+            )
             # The retired ordinal (it was `drain`): refused in words, not with a traceback.
             with pytest.raises(NotImplementedRemotely) as retired:
                 await agent.call_unimplemented("obsoleteDrain")
@@ -334,7 +338,9 @@ def test_deadlines_per_call_and_their_bounds() -> None:
     assert d.of("stopShard", extra_s=30.0) == 40.0
     assert Deadlines(default_s=3, per_call={"startShard": 20}).of("logs") == 3
     assert Deadlines(default_s=3, per_call={"startShard": 20}).of("startShard") == 20
-    with pytest.raises(ValueError, match=r"no agent call named startshard; known: declareEngines, engineCheck, "):
+    with pytest.raises(
+        ValueError, match=r"no agent call named startshard; known: declareEngines, engineCheck, "
+    ):
         Deadlines(per_call={"startshard": 1})
     with pytest.raises(ValueError, match=r"deadline of logs: 0 s; use more than 0"):
         Deadlines(per_call={"logs": 0})

@@ -263,9 +263,7 @@ def test_agent_cert_from_another_ca_is_refused(
     seen = server.outcome()
     assert isinstance(seen, ssl.SSLCertVerificationError)
     assert seen.verify_code == UNABLE_TO_GET_ISSUER_CERT_LOCALLY
-    assert describe_tls_failure(
-        exc, "127.0.0.1", server.port, cert_path=cert_path, node="n1"
-    ) == (
+    assert describe_tls_failure(exc, "127.0.0.1", server.port, cert_path=cert_path, node="n1") == (
         f"the control plane at 127.0.0.1:{server.port} refused this agent's certificate "
         f"{cert_path}: it is not signed by the CA the control plane trusts (unknown ca); "
         "on the control plane run `llmgw ctl cert agent n1` and copy the agent-n1.crt "

@@ -9,15 +9,15 @@ resource's module: `_fleet`, `_models`, `_weights`, `_tenants`, `_logs`.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 from urllib.parse import parse_qsl
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from llmgw.cp import _node_logs
 from llmgw.cp._admin._fleet import Fleet
 from llmgw.cp._admin._http import (
+    Asgi,
     HttpError,
     Receive,
     Route,
@@ -33,17 +33,18 @@ from llmgw.cp._admin._logs import Logs
 from llmgw.cp._admin._models import Explainer, Models
 from llmgw.cp._admin._tenants import Tenants
 from llmgw.cp._admin._weights import Weights
-from llmgw.cp._catalog_file import CatalogFile
-from llmgw.cp._leader import LeaderView
-from llmgw.cp._reconciler import Reconciler
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._catalog_file import CatalogFile
+from llmgw.cp._fleet._leader import LeaderView
+from llmgw.cp._fleet._reconciler import Reconciler
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._observe import _node_logs
 from llmgw.errors import ConfigError, NotFound, PeerError, StaleEpoch, UsageError
 from llmgw.router import KeyStore
 from llmgw.store import Store
 
 
 class LeaderSource(Protocol):
-    """Leadership as the admin API needs it (llmgw/cp/_leader.py `Leadership`)."""
+    """Leadership as the admin API needs it (llmgw/cp/_fleet/_leader.py `Leadership`)."""
 
     def may_act(self) -> bool: ...
     def view(self) -> LeaderView: ...
@@ -64,15 +65,18 @@ class AdminApp:
         router: Explainer | None = None,
         store: Store | None = None,
         bands: Mapping[str, int] | None = None,
+        leadership: LeaderSource | None = None,
+        pages: Callable[[Asgi], Asgi] | None = None,
     ) -> None:
         self._registry = registry
-        # Whether this control plane leads (llmgw/cp/_leader.py), set by llmgw/cp/_main.py;
-        # None: it always does (tests). On a standby every non-GET call answers 409.
-        self.leadership: LeaderSource | None = None
+        # Whether this control plane leads (llmgw/cp/_fleet/_leader.py); None: it always
+        # does (tests). On a standby every non-GET call answers 409.
+        self.leadership = leadership
         self._metrics = metrics
         self._digest = digest(admin_key)
-        # The admin pages (llmgw/cp/_pages) under /admin, set by the caller (llmgw/cp/_main.py).
-        self.pages: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None
+        # The admin pages (llmgw/cp/_pages) under /admin, made from this app: they read the
+        # API through it (`pages(self)`).
+        self.pages = pages(self) if pages is not None else None
         self._fleet = Fleet(registry, store)
         self._models = Models(registry, reconciler, catalog, router)
         self._weights = Weights(registry, catalog)

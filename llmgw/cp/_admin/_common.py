@@ -4,7 +4,7 @@ saying there is none), an audit line, and how many nodes to render between check
 from __future__ import annotations
 
 from llmgw.cp._admin._http import HttpError
-from llmgw.cp._registry import NodeRecord, NodeRegistry
+from llmgw.cp._fleet._registry import NodeRecord, NodeRegistry
 from llmgw.rpc import AgentHandle
 from llmgw.store import Store
 

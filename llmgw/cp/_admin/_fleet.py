@@ -14,8 +14,8 @@ import trio
 from llmgw import config, engines
 from llmgw.cp._admin._common import NODES_PER_SLICE, audit, connected
 from llmgw.cp._admin._http import HttpError, Route, expect, route
-from llmgw.cp._registry import NodeRegistry
-from llmgw.cp._shards import manual_shard, ports_taken
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._fleet._shards import manual_shard, ports_taken
 from llmgw.errors import LlmgwError, PeerError
 from llmgw.store import Store
 

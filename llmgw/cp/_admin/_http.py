@@ -14,6 +14,7 @@ from typing import Any
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # A handler is called with `body` (the parsed JSON, or None), `query` (the query string
 # as a dict) and the path's named groups; it answers (status, JSON value). Bytes are JSON

@@ -7,11 +7,11 @@ import time
 from typing import Any
 
 from llmgw import config
-from llmgw.cp import _node_logs
 from llmgw.cp._admin._common import connected, need_store
 from llmgw.cp._admin._http import HttpError, Route, route
-from llmgw.cp._events import Event
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._registry import NodeRegistry
+from llmgw.cp._observe import _node_logs
+from llmgw.cp._observe._events import Event
 from llmgw.errors import DeadlineExceeded, NotFound
 from llmgw.store import AuditEntry, Store
 
@@ -48,7 +48,7 @@ class Logs:
         return 200, {"events": [_event_json(e) for e in found]}
 
     async def history(self, node: str, **_: Any) -> tuple[int, Any]:
-        """The node's last hour (llmgw/cp/_history.py); null where nothing was reported."""
+        """The node's last hour (llmgw/cp/_observe/_history.py); null where nothing was reported."""
         history = self._registry.history
         if history is None:
             raise HttpError(404, "this control plane keeps no node history")
@@ -59,7 +59,7 @@ class Logs:
 
     async def node_logs(self, node: str, query: dict[str, str], **_: Any) -> tuple[int, Any]:
         """The tail of a log source on the node (default: the agent's own); `follow=1`
-        streams what comes after it (llmgw/cp/_node_logs.py)."""
+        streams what comes after it (llmgw/cp/_observe/_node_logs.py)."""
         _rec, agent = connected(self._registry, node)
         source, lines = query.get("source") or "agent", _node_logs.lines_of(query)
         try:

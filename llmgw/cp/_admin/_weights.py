@@ -9,10 +9,10 @@ from typing import Any
 import trio
 
 from llmgw import model
-from llmgw.cp import _holdings
 from llmgw.cp._admin._http import HttpError, Route, expect, route
-from llmgw.cp._catalog_file import CatalogFile
-from llmgw.cp._registry import NodeRecord, NodeRegistry
+from llmgw.cp._fleet._catalog_file import CatalogFile
+from llmgw.cp._fleet._registry import NodeRecord, NodeRegistry
+from llmgw.cp._weights import _holdings
 from llmgw.errors import LlmgwError, StaleEpoch
 
 log = logging.getLogger("llmgw.cp.admin")

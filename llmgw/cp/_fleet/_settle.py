@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Iterable, Set
 
 from llmgw.core import guard_release_at
-from llmgw.cp._node_record import NodeRecord
+from llmgw.cp._fleet._node_record import NodeRecord
 
 log = logging.getLogger("llmgw.cp.reconciler")  # the reconciler's component
 

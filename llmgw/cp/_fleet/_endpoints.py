@@ -22,8 +22,8 @@ from typing import Protocol
 import trio
 
 from llmgw import core, model
-from llmgw.cp._catalog import Catalog
-from llmgw.cp._registry import NodeRegistry
+from llmgw.cp._fleet._catalog import Catalog
+from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.errors import LlmgwError
 from llmgw.router import Endpoint, EndpointSource
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import PurePosixPath
 
 from llmgw import engines, model
-from llmgw.cp._registry import NodeRecord
+from llmgw.cp._fleet._registry import NodeRecord
 from llmgw.errors import UsageError
 
 PORTS = (8100, 8999)

@@ -29,9 +29,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from llmgw import core, model
-from llmgw.cp._catalog import Catalog
-from llmgw.cp._reconciler import Unplaced
-from llmgw.cp._registry import NodeRecord
+from llmgw.cp._fleet._catalog import Catalog
+from llmgw.cp._fleet._reconciler import Unplaced
+from llmgw.cp._fleet._registry import NodeRecord
 
 MAX_AGE_S = 60.0  # a usage sample older than this is left out
 LABEL_MAX = 128  # characters of a label value; a longer one is cut

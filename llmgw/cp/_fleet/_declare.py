@@ -15,7 +15,7 @@ import logging
 from typing import Protocol
 
 from llmgw import model
-from llmgw.cp import _engines
+from llmgw.cp._fleet import _engines
 from llmgw.errors import StaleEpoch
 from llmgw.rpc import AgentHandle
 

@@ -11,7 +11,7 @@ and pokes the reconciler when a size changes:
 | `http(s)://…/file`        | a HEAD: its `Content-Length`                              |
 | `http(s)://…/dir/`        | its manifest (a bounded GET, `check_manifest`): `total_bytes` |
 
-The mirror is read from disk, by the mirror's own rules (`llmgw/cp/_mirror.py`:
+The mirror is read from disk, by the mirror's own rules (`llmgw/cp/_weights/_mirror.py`:
 the target decoded and refused as the mirror would, the path kept under the
 root, dot-names neither served nor listed): a file the mirror would not serve
 has no size. An https source elsewhere is checked against the system's
@@ -41,7 +41,7 @@ import httpx
 import trio
 
 from llmgw import core
-from llmgw.cp import _mirror
+from llmgw.cp._weights import _mirror, _paths
 from llmgw.errors import ConfigError
 
 log = logging.getLogger("llmgw.cp.sizes")
@@ -76,8 +76,8 @@ class Unknown:
 def mirror_size(root: str, path: str) -> int | Unknown:
     """The bytes the mirror under the resolved `root` serves for `path` (`/a/b.gguf`,
     or `/a/v/` for a version: its listed files summed)."""
-    target = _mirror.parse_target(path.encode("utf-8", "surrogateescape"))
-    if isinstance(target, _mirror.Refusal):
+    target = _paths.parse_target(path.encode("utf-8", "surrogateescape"))
+    if isinstance(target, _paths.Refusal):
         return Unknown(f"the mirror would refuse it ({target.status}): {target.reason}")
     real = _mirror._locate(root, target.segments)
     if real is None:

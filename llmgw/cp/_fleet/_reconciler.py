@@ -3,7 +3,7 @@
 Every `interval_s` (and on every change) it turns the registry's shard
 reports into observations, asks `core.reconcile` what to do, places each Start
 with `core.place` (the weights keyed and sized as `core.weights_key` and `sizes` say:
-a fetched source's cache name, its size from llmgw/cp/_sizes.py), and sends
+a fetched source's cache name, its size from llmgw/cp/_weights/_sizes.py), and sends
 start/stop commands through the agents'
 capabilities. Decide, then act: a pass plans synchronously, hands each start
 and stop to a task of its own in the reconciler's nursery, each bounded by a
@@ -14,11 +14,11 @@ failed or timed out stops counting as soon as its task ends. One agent that
 accepts a call and never answers holds up only its own task.
 
 After the control plane starts it does not act until the fleet has registered
-again (the settle, llmgw/cp/_settle.py): agents re-register first, and their
+again (the settle, llmgw/cp/_fleet/_settle.py): agents re-register first, and their
 replicas are adopted rather than started again.
 
 It acts only while the registry may (`registry.acting()`: this control plane
-leads and is inside its lease, llmgw/cp/_leader.py): a standby's passes plan
+leads and is inside its lease, llmgw/cp/_fleet/_leader.py): a standby's passes plan
 nothing and say nothing. The settle starts again from each election
 (`elected()`), not from the process start: a standby that takes over waits
 for the fleet to register with it before it acts.
@@ -42,14 +42,14 @@ from llmgw.core import (
     Start,
     Stop,
 )
-from llmgw.cp._catalog import Catalog, CatalogModel, Profile, fingerprint
-from llmgw.cp._launch import shard_specs
-from llmgw.cp._registry import NodeRecord, NodeRegistry
-from llmgw.cp._retiring import Retiring
-from llmgw.cp._settle import Settle
-from llmgw.cp._shards import PORTS
-from llmgw.cp._sizes import Measuring
-from llmgw.cp._wake import Wakeup
+from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile, fingerprint
+from llmgw.cp._fleet._launch import shard_specs
+from llmgw.cp._fleet._registry import NodeRecord, NodeRegistry
+from llmgw.cp._fleet._retiring import Retiring
+from llmgw.cp._fleet._settle import Settle
+from llmgw.cp._fleet._shards import PORTS
+from llmgw.cp._fleet._wake import Wakeup
+from llmgw.cp._weights._sizes import Measuring
 from llmgw.errors import DeadlineExceeded, LlmgwError, StaleEpoch
 
 log = logging.getLogger("llmgw.cp.reconciler")
@@ -104,10 +104,11 @@ class Reconciler:
         self._registry = registry
         self._catalog = catalog
         # A catalog source's size in bytes, None when unknown, MEASURING before its
-        # first measurement (llmgw/cp/_sizes.py); None here: nothing knows sizes, so
+        # first measurement (llmgw/cp/_weights/_sizes.py); None here: nothing knows sizes, so
         # placement never refuses for disk.
         self._sizes = sizes
-        # Poked by whatever has news (the registry, the sizes, the catalog: llmgw/cp/_wake.py)
+        # Poked by whatever has news (the registry, the sizes, the catalog:
+        # llmgw/cp/_fleet/_wake.py)
         self._wake = wake if wake is not None else Wakeup()
         self.interval_s = interval_s
         self._settle = Settle(settle_s, clock)
@@ -129,7 +130,7 @@ class Reconciler:
         self._nursery: trio.Nursery | None = None
         # Draining (the rule: llmgw/core/_drain.py). `in_flight(replica id, rank-0 node)`
         # is the router's count (None: no router here, so unknown); `retiring` the
-        # replicas retiring, which the endpoint list reads (llmgw/cp/_retiring.py).
+        # replicas retiring, which the endpoint list reads (llmgw/cp/_fleet/_retiring.py).
         self.drain_timeout_s = drain_timeout_s
         self._in_flight = in_flight
         self._retiring = retiring if retiring is not None else Retiring()
@@ -302,7 +303,7 @@ class Reconciler:
             self.poke()
 
     def _note_stop(self, action: Stop) -> None:
-        """Keep why, for `ctl replicas` and `ctl events` (llmgw/cp/_events.py)."""
+        """Keep why, for `ctl replicas` and `ctl events` (llmgw/cp/_observe/_events.py)."""
         rec = self._registry.record(action.node_id)
         shards = rec.shards if rec is not None else ()
         shard = next((s for s in shards if s.shard_id == action.shard_id), None)

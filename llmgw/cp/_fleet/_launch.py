@@ -14,9 +14,9 @@ from collections.abc import Iterable, Mapping
 import attrs
 
 from llmgw import core, engines, model
-from llmgw.cp._catalog import CatalogModel, Profile, engine_profile, fingerprint
-from llmgw.cp._node_record import NodeRecord
-from llmgw.cp._shards import free_port, ports_taken, to_shard_spec
+from llmgw.cp._fleet._catalog import CatalogModel, Profile, engine_profile, fingerprint
+from llmgw.cp._fleet._node_record import NodeRecord
+from llmgw.cp._fleet._shards import free_port, ports_taken, to_shard_spec
 
 RENDEZVOUS_PORTS = (29500, 29999)
 

@@ -140,6 +140,7 @@ class History:
         span_s: float = SPAN_S,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        queue: QueueDepth | None = None,
     ) -> None:
         if resolution_s <= 0 or span_s < resolution_s:
             raise ValueError(
@@ -151,7 +152,7 @@ class History:
         self._clock = clock
         self._wall = wall
         self._nodes: dict[str, _Node] = {}
-        self.queue: QueueDepth | None = None
+        self._queue_of = queue
         self.samples = 0  # samples written, for statistics
 
     def __repr__(self) -> str:
@@ -253,9 +254,9 @@ class History:
     def _queue(
         self, node_id: str, report: model.ShardReport | None
     ) -> tuple[float | None, float | None] | None:
-        if self.queue is None or report is None or report.replica_id is None or report.rank:
+        if self._queue_of is None or report is None or report.replica_id is None or report.rank:
             return None
-        return self.queue(node_id, report.replica_id)
+        return self._queue_of(node_id, report.replica_id)
 
     def _group(
         self,

@@ -5,10 +5,10 @@ it registrations (with the peer's certificate CN and an `AgentHandle`), and it
 feeds the pure liveness machine in llmgw.core with registrations, heartbeats,
 lost connections and clock ticks, logging every state change with its reason.
 
-Its parts, each a module of its own: the node records (llmgw/cp/_node_record.py),
-the overrides and known nodes kept in the store (llmgw/cp/_fleet_state.py), the
-fetches' progress (llmgw/cp/_progress.py), and the push of an engine
-declaration to the connected agents (llmgw/cp/_declare.py).
+Its parts, each a module of its own: the node records (llmgw/cp/_fleet/_node_record.py),
+the overrides and known nodes kept in the store (llmgw/cp/_fleet/_fleet_state.py), the
+fetches' progress (llmgw/cp/_fleet/_progress.py), and the push of an engine
+declaration to the connected agents (llmgw/cp/_fleet/_declare.py).
 
 What it needs from the rest of the control plane it is given when built: the
 `Lease` it acts under, whom it tells of every change, the mirror agents fetch
@@ -26,13 +26,13 @@ from typing import Protocol
 import trio
 
 from llmgw import core, model
-from llmgw.cp import _declare, _node_record
-from llmgw.cp._events import EventLog
-from llmgw.cp._fleet_state import FleetState
-from llmgw.cp._history import History
-from llmgw.cp._node_record import NodeRecord as NodeRecord  # re-exported: named from here
-from llmgw.cp._progress import FetchProgress as FetchProgress  # re-exported, as NodeRecord
-from llmgw.cp._progress import ProgressBook
+from llmgw.cp._fleet import _declare, _node_record
+from llmgw.cp._fleet._fleet_state import FleetState
+from llmgw.cp._fleet._node_record import NodeRecord as NodeRecord  # re-exported: named from here
+from llmgw.cp._fleet._progress import FetchProgress as FetchProgress  # re-exported, as NodeRecord
+from llmgw.cp._fleet._progress import ProgressBook
+from llmgw.cp._observe._events import EventLog
+from llmgw.cp._observe._history import History
 from llmgw.errors import NotFound, RegistrationRefused, StaleEpoch, UsageError
 from llmgw.rpc import AgentHandle, PeerInfo, SessionServant
 from llmgw.store import Store
@@ -41,7 +41,7 @@ log = logging.getLogger("llmgw.cp.registry")
 
 
 class Lease(Protocol):
-    """Leadership as the registry sees it (llmgw/cp/_leader.py's `Leadership` is one)."""
+    """Leadership as the registry sees it (llmgw/cp/_fleet/_leader.py's `Leadership` is one)."""
 
     def may_act(self) -> bool:
         """True only inside the lease by this process's clock."""
@@ -104,7 +104,7 @@ class NodeRegistry:
         self.policy = policy
         self.forget_after_s = forget_after_s  # a node lost this long is forgotten; None: never
         self.epoch = epoch
-        # Leadership (llmgw/cp/_leader.py): a standby refuses registrations, naming the
+        # Leadership (llmgw/cp/_fleet/_leader.py): a standby refuses registrations, naming the
         # leader's RPC address when it knows it; `lease.may_act()` (True only inside the
         # lease by this process's clock) is consulted before every command. None: nobody
         # competes, it may always act.
@@ -130,12 +130,13 @@ class NodeRegistry:
         self._generations = 0
         # Cordoned, draining and known nodes, kept in the store (load_state).
         self._kept = FleetState(self._address)
-        # Called on a registration, a shard report, a state change (llmgw/cp/_wake.py).
+        # Called on a registration, a shard report, a state change (llmgw/cp/_fleet/_wake.py).
         self._listeners = tuple(listeners)
         # Why things happened (failed shards, state changes), for the admin API.
         self.events = EventLog(clock=clock, wall=wall)
         self._progress = ProgressBook()
-        # Each node's last hour (llmgw/cp/_history.py): a sample per heartbeat; None: none kept.
+        # Each node's last hour (llmgw/cp/_observe/_history.py): a sample per heartbeat;
+        # None: none kept.
         self.history = history
 
     def __repr__(self) -> str:
@@ -147,7 +148,7 @@ class NodeRegistry:
             counts[rec.liveness.state.value] += 1
         return counts
 
-    # the overrides and known nodes: what each means, llmgw/cp/_fleet_state.py ----
+    # the overrides and known nodes: what each means, llmgw/cp/_fleet/_fleet_state.py ----
 
     @property
     def cordoned(self) -> dict[str, str]:
@@ -344,7 +345,7 @@ class NodeRegistry:
 
     def declare_engines(self, decls: model.EngineDecls | None) -> None:
         """A new engine declaration: the next registrations carry it, and every connected
-        agent is told now, each in a task of its own (llmgw/cp/_declare.py)."""
+        agent is told now, each in a task of its own (llmgw/cp/_fleet/_declare.py)."""
         sent = _declare.to_send(self.engines, decls)
         self.engines = decls
         if sent is None or self._nursery is None or not self.acting():
@@ -421,7 +422,7 @@ class NodeRegistry:
         self._changed()
 
     def on_progress(self, node_id: str, generation: int, msg: model.Progress) -> None:
-        """A fetch's progress (llmgw/cp/_progress.py). Not a state transition: no
+        """A fetch's progress (llmgw/cp/_fleet/_progress.py). Not a state transition: no
         listener hears of it, and it touches neither liveness nor the node's record."""
         rec = self._current(node_id, generation)
         if rec is None or rec.agent is None:
