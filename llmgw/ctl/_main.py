@@ -7,6 +7,7 @@ is added), the commands are `_fleet`, `_models`, `_accounts` (and `_cert`,
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -25,7 +26,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.extra = extra
     try:
-        return int(args.func(args))
+        rc = int(args.func(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return rc
+    except BrokenPipeError:
+        # The reader stopped reading (`| head -1`, `| grep -q`): it has what it wanted,
+        # and nothing more can be said to it. Nothing is left to flush at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except ConfigError as exc:
         print(f"llmgw ctl: {exc}", file=sys.stderr)
         return 2

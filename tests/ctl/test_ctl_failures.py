@@ -1,6 +1,7 @@
 """How `ctl replicas` prints a last failure under its replica."""
 
 from __future__ import annotations
+from pathlib import Path
 
 from llmgw.ctl._tables import format_failure, table, with_notes
 
@@ -38,3 +39,27 @@ def test_notes_go_under_their_row() -> None:
     text = table(("A", "B"), [("x", "1"), ("y", "2")])
     out = with_notes(text, {0: ["  note for x"]}).splitlines()
     assert out == ["A  B", "x  1", "  note for x", "y  2"]
+
+
+def test_a_reader_that_stops_reading_gets_no_traceback(tmp_path: Path) -> None:
+    """`llmgw ctl tenants list | grep -q team-a` under `set -o pipefail`: grep exits at
+    its first match and the pipe closes; ctl printed a BrokenPipeError traceback and
+    exited 1 (the runbook's postgres block failed on it)."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before ctl writes its first line
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "llmgw", "ctl", "cert", "init", "--dir", str(tmp_path / "pki")],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert (tmp_path / "pki" / "ca.crt").exists()  # the command itself ran
+    assert (done.returncode, done.stderr) == (0, "")
