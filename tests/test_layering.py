@@ -278,3 +278,14 @@ def test_the_control_plane_wings_import_only_down() -> None:
             if bad := sorted(str(r) for r in reached - allowed):
                 offenders[str(path.relative_to(PACKAGE))] = bad
     assert offenders == {}
+
+
+def test_the_web_package_sits_below_every_service() -> None:
+    """llmgw.web is shared by the router, the control plane and the agent: it imports none."""
+    offenders = {
+        str(p.relative_to(PACKAGE)): sorted(
+            n for n in _llmgw_imports(p) if not n.startswith(("llmgw.web", "llmgw.errors"))
+        )
+        for p in (PACKAGE / "web").rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
