@@ -107,7 +107,14 @@ async def serve(cfg: config.AgentConfig) -> None:
     make_weights_dir(cfg)
     # Its own last lines, as written to stderr, for `logs` on the source "agent".
     memory = _logs.install()
-    node = Node(cfg)
+    # What the node reports of the installer and the supervisor, both built below and
+    # read only once the session runs.
+    node = Node(
+        cfg,
+        installed_engines=lambda: model.Engines(installer.found(), installer.pending()),
+        llmgw_pids=lambda: supervisor.pids(),
+        shard_pids=lambda: supervisor.shard_pids(),
+    )
     session: AgentSession | None = None
 
     def on_shard_change(report: model.ShardReport) -> None:
@@ -148,8 +155,6 @@ async def serve(cfg: config.AgentConfig) -> None:
         client_tls=tls,
         pip_tls=PipTls(cfg.tls.ca, cfg.tls.cert, cfg.tls.key),
     )
-    # Read at every heartbeat, which sends them when they changed.
-    node.installed_engines = lambda: model.Engines(installer.found(), installer.pending())
 
     engine_paths = _engine_paths(cfg)
     supervisor = Supervisor(
@@ -167,8 +172,6 @@ async def serve(cfg: config.AgentConfig) -> None:
         sources=sources,
         path_of=installer.path_of,
     )
-    node.llmgw_pids = supervisor.pids
-    node.shard_pids = supervisor.shard_pids
     servant = AgentServant(
         node,
         supervisor,

@@ -47,17 +47,21 @@ class Node:
         root: Path = Path("/"),
         runner: discovery.Runner | None = None,
         nvml: discovery.NvmlLoader | None = discovery.load_pynvml,
+        installed_engines: Callable[[], model.Engines] = model.Engines,
+        llmgw_pids: Callable[[], set[int]] = set,
+        shard_pids: Callable[[], Mapping[str, set[int]]] = dict,
     ) -> None:
         self.cfg = cfg
         self._root = root
         self._runner = runner or discovery.SubprocessRunner()
         self._nvml = nvml
         # What the engine installer has installed and proven, and is working on
-        # (llmgw.agent._engines.Installer); set by the agent, none by default.
-        self.installed_engines: Callable[[], model.Engines] = model.Engines
+        # (llmgw.agent._engines.Installer), read at every heartbeat; none by default.
+        self.installed_engines = installed_engines
         self.discovery_timeout_s = cfg.discovery_timeout_s if cfg else DISCOVERY_TIMEOUT_S
-        self.llmgw_pids: Callable[[], set[int]] = set
-        self.shard_pids: Callable[[], Mapping[str, set[int]]] = dict
+        # The supervisor's processes, whose usage each sample attributes.
+        self.llmgw_pids = llmgw_pids
+        self.shard_pids = shard_pids
         dirs = [*self._model_dirs(), *self._storage_dirs()]
         self._sampler = discovery.UsageSampler(root=root, runner=self._runner, dirs=dirs, nvml=nvml)
         # The sampler keeps rates between samples: one caller at a time, and a

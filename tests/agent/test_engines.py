@@ -485,9 +485,8 @@ async def test_node_reports_configured_over_installed_and_sends_changes(tmp_path
         weights_dir=tmp_path / "weights",
         engine_paths={"llama-server": str(exe)},
     )
-    node = Node(cfg, nvml=None)
     installed = model.Engines()
-    node.installed_engines = lambda: installed
+    node = Node(cfg, nvml=None, installed_engines=lambda: installed)
     assert (await node.heartbeat(1)).engines is None  # not probed yet: unknown, not none
     await node.discover()
     configured = model.Engine("llama-server", str(exe), None, "configured")

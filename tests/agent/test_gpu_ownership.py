@@ -99,9 +99,13 @@ async def test_memory_held_by_an_engines_child_and_grandchild_is_not_foreign(
                 state_dir=tmp_path / "state",
                 weights_dir=tmp_path / "weights",
             )
-            node = Node(cfg, runner=discovery.SubprocessRunner(env=env), nvml=None)
-            node.llmgw_pids = sup.pids
-            node.shard_pids = sup.shard_pids
+            node = Node(
+                cfg,
+                runner=discovery.SubprocessRunner(env=env),
+                nvml=None,
+                llmgw_pids=sup.pids,
+                shard_pids=sup.shard_pids,
+            )
 
             usage = await trio.to_thread.run_sync(node.collect_usage)
             (gpu,) = usage.gpus
