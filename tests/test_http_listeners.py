@@ -60,9 +60,10 @@ async def main():
             binds = await nursery.start(serve_hypercorn, admin, hc)
             port = int(binds[0].rsplit(":", 1)[1])
         else:
-            from llmgw.cp._weights._mirror import MirrorLimits, serve_mirror
+            import attrs
+            from llmgw.cp._weights._mirror import MIRROR_LIMITS, serve_mirror
 
-            limits = MirrorLimits(keepalive_s=keepalive)
+            limits = attrs.evolve(MIRROR_LIMITS, keepalive_s=keepalive)
             port = await nursery.start(partial(serve_mirror, root, "127.0.0.1", 0, limits=limits))
         print("port", port, flush=True)
 
@@ -136,7 +137,7 @@ def listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Listene
     with open(log, "wb") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
-        cap = 256 if kind == "mirror" else CONNECTIONS  # MirrorLimits.max_connections
+        cap = 256 if kind == "mirror" else CONNECTIONS  # MIRROR_LIMITS.max_connections
         yield Listener(proc, _wait_for_port(proc, log, port), log, cap)
     finally:
         proc.terminate()

@@ -7,7 +7,8 @@ admin listener's `/metrics`. `serve_http(router.app, host, port)` is the lean
 HTTP/1.1 server the router listener should run on (see `_server.py` for why
 not hypercorn); `serve_hypercorn(app, config)` is hypercorn as every llmgw
 listener on it runs (`_hypercorn.py`: connections closed when their client
-goes); `python -m llmgw.router` is router-only mode.
+goes); `python -m llmgw.router` is router-only mode. `listener_limits(config)`
+is the router listener's `ListenerLimits` (llmgw.web.limits, re-exported here).
 """
 
 from llmgw.router._hypercorn import serve as serve_hypercorn
@@ -20,10 +21,10 @@ from llmgw.router._router import (
     Router,
     RouterConfig,
 )
-from llmgw.router._server import Limits as ListenerLimits
 from llmgw.router._server import serve as serve_http
 from llmgw.router._surface import HttpError
 from llmgw.router._types import Endpoint, EndpointSource, StaticEndpoints
+from llmgw.web.limits import ListenerLimits
 
 __all__ = [
     "DEFAULT_BANDS",

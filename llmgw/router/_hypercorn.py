@@ -84,7 +84,7 @@ from hypercorn.typing import ConnectionState, LifespanState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from llmgw.router._http1 import BAD_METHOD
-from llmgw.router._server import Limits
+from llmgw.web.limits import ListenerLimits
 
 log = logging.getLogger("llmgw.router.hypercorn")
 
@@ -95,7 +95,7 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def config(bind: str, limits: Limits) -> hypercorn.config.Config:
+def config(bind: str, limits: ListenerLimits) -> hypercorn.config.Config:
     hc = hypercorn.config.Config()
     hc.bind = [bind]
     hc.accesslog = None
@@ -126,7 +126,7 @@ async def _plain(send: Send, status: int, text: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def guard(app: App, limits: Limits) -> App:
+def guard(app: App, limits: ListenerLimits) -> App:
     """`app` behind the checks above (for the hypercorn listener only)."""
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:

@@ -46,6 +46,7 @@ from llmgw.router._keys import CachedKeys, KeyStore, StaticKeys, StoreKeys
 from llmgw.router._router import Router, RouterConfig
 from llmgw.router._types import Endpoint, StaticEndpoints
 from llmgw.store import open_sqlite_file
+from llmgw.web.limits import ListenerLimits
 
 log = logging.getLogger("llmgw.router")
 
@@ -266,9 +267,9 @@ def metrics_app(router: Router) -> Callable[[Scope, Receive, Send], Awaitable[No
     return app
 
 
-def listener_limits(cfg: RouterConfig) -> _server.Limits:
+def listener_limits(cfg: RouterConfig) -> ListenerLimits:
     """The client-side bounds of the router's listener, from the router's config."""
-    return _server.Limits(
+    return ListenerLimits(
         head_timeout_s=cfg.client_head_timeout_s,
         body_timeout_s=cfg.client_body_timeout_s,
         send_timeout_s=cfg.idle_timeout_s,

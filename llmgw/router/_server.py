@@ -23,9 +23,9 @@ ASGI as the router uses it:
 - An app that returns with its response incomplete gets its connection
   closed: the client sees a truncated message, never a complete-looking one.
 
-Bounds on the client side (`Limits`): the head must arrive within
-`head_timeout_s` of its first byte and fit in `max_head_bytes`; the body
-within `body_timeout_s` of the head (a total bound, so a 1 byte/s body is cut
+Bounds on the client side (`llmgw.web.limits.ListenerLimits`): the head must
+arrive within `head_timeout_s` of its first byte and fit in `max_head_bytes`;
+the body within `body_timeout_s` of the head (a total bound, so a 1 byte/s body is cut
 too: 408); every write must complete within `send_timeout_s` (a client that
 stops reading is cut and the app cancelled, which frees its admission slot);
 an idle keep-alive connection is closed after `keepalive_s`. A response sent
@@ -51,6 +51,7 @@ import attrs
 import trio
 
 from llmgw.router._http1 import END, Failure, Head, RequestParser
+from llmgw.web.limits import ListenerLimits
 
 log = logging.getLogger("llmgw.router.server")
 
@@ -75,18 +76,6 @@ _REASONS = {
 _STATUS_LINES: dict[int, bytes] = {}
 
 EXTENSION = "llmgw.cancel_on_disconnect"
-
-
-@attrs.frozen(kw_only=True)
-class Limits:
-    """The client-side bounds of one listener (the router's config sets them)."""
-
-    head_timeout_s: float = 60.0
-    body_timeout_s: float = 60.0
-    send_timeout_s: float = 60.0
-    keepalive_s: float = 75.0
-    max_head_bytes: int = 32768
-    discard_bytes: int = 64 << 20
 
 
 class _Date:
@@ -228,7 +217,7 @@ class _Exchange:
     )
 
     def __init__(
-        self, request: Head, stream: trio.SocketStream, reader: _Reader, limits: Limits
+        self, request: Head, stream: trio.SocketStream, reader: _Reader, limits: ListenerLimits
     ) -> None:
         self.request = request
         self.stream = stream
@@ -393,7 +382,7 @@ async def serve(
     host: str,
     port: int,
     *,
-    limits: Limits | None = None,
+    limits: ListenerLimits | None = None,
     backlog: int = 4096,
     reuse_port: bool = False,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
@@ -403,7 +392,7 @@ async def serve(
     `reuse_port`: bind with SO_REUSEPORT, beside other processes on the same
     address (router workers); the kernel spreads new connections between them.
     """
-    lim = limits or Limits()
+    lim = limits or ListenerLimits()
     if reuse_port:
         listeners = await reuse_port_listeners(host, port, backlog)
     else:
@@ -447,7 +436,7 @@ async def reuse_port_listeners(host: str, port: int, backlog: int) -> list[trio.
 
 
 async def _connection(
-    app: App, stream: trio.SocketStream, server: tuple[str, int], limits: Limits
+    app: App, stream: trio.SocketStream, server: tuple[str, int], limits: ListenerLimits
 ) -> None:
     parser = RequestParser(limits.max_head_bytes)
     try:
@@ -472,7 +461,7 @@ async def _requests(
     reader: _Reader,
     client: tuple[str, int] | None,
     server: tuple[str, int],
-    limits: Limits,
+    limits: ListenerLimits,
 ) -> None:
     events = parser.events
     try:
@@ -553,7 +542,7 @@ async def _discard_rest(
     parser: RequestParser,
     reader: _Reader,
     deadline: float,
-    limits: Limits,
+    limits: ListenerLimits,
 ) -> None:
     """After an early answer: end our side, then drop the body until it ends or a bound.
 
@@ -578,7 +567,7 @@ async def _discard_rest(
 
 
 async def _next_head(
-    parser: RequestParser, reader: _Reader, limits: Limits
+    parser: RequestParser, reader: _Reader, limits: ListenerLimits
 ) -> Head | Failure | None:
     """The next request head; None when the client closes, idles out, or is too slow."""
     events = parser.events

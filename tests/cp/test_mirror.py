@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 
+import attrs
 import h11
 import httpx
 import pytest
@@ -20,7 +21,7 @@ import trustme
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.cp._weights._mirror import ManifestCache, MirrorLimits, serve_mirror
+from llmgw.cp._weights._mirror import MIRROR_LIMITS, ManifestCache, serve_mirror
 from llmgw.cp._weights._paths import UNSATISFIABLE, Refusal, Target, parse_range, parse_target
 
 PART_A = bytes(range(256)) * 40  # 10240 bytes
@@ -46,7 +47,7 @@ async def mirror(tmp_path: Path) -> AsyncIterator[Mirror]:
     (root / "tiny" / ".a.gguf.Xy12").write_bytes(b"rsync temporary")
     (tmp_path / "secret").write_bytes(b"outside the root")
     cache = ManifestCache()
-    limits = MirrorLimits(head_timeout_s=0.5, keepalive_s=5.0)
+    limits = attrs.evolve(MIRROR_LIMITS, head_timeout_s=0.5, keepalive_s=5.0)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(
             partial(serve_mirror, root, "127.0.0.1", 0, limits=limits, cache=cache)
@@ -388,7 +389,7 @@ async def test_keepalive_serves_several_requests_on_one_connection(mirror: Mirro
 
 async def test_connections_beyond_the_bound_are_closed(tmp_path: Path) -> None:
     (tmp_path / "w.bin").write_bytes(PART_B)
-    limits = MirrorLimits(max_connections=1)
+    limits = attrs.evolve(MIRROR_LIMITS, max_connections=1)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(partial(serve_mirror, tmp_path, "127.0.0.1", 0, limits=limits))
         # The first connection holds the one slot (kept alive after its answer).

@@ -26,6 +26,7 @@ import trio
 
 from llmgw.router import _main, _server
 from llmgw.router._types import Endpoint
+from llmgw.web.limits import ListenerLimits
 from router.conftest import SECRET_A, SERVERS, sample, serve_router
 
 HOST = b"host: r\r\n"
@@ -666,7 +667,7 @@ async def test_fuzz_inputs_against_the_listener() -> None:
                     "headers": [(b"content-length", b"2")]})  # fmt: skip
         await send({"type": "http.response.body", "body": b"ok"})
 
-    limits = _server.Limits(head_timeout_s=0.2, body_timeout_s=0.2, keepalive_s=0.2)
+    limits = ListenerLimits(head_timeout_s=0.2, body_timeout_s=0.2, keepalive_s=0.2)
     cases = 0
     async with trio.open_nursery() as nursery:
         port = await nursery.start(

@@ -42,7 +42,8 @@ transfer coding but chunked a 501 (h11 refuses it). The head must fit in
 `max_head_bytes` (431) and arrive within `head_timeout_s` of its first byte
 (408); an idle connection is closed after `keepalive_s`; every write must
 complete within `send_timeout_s`; beyond `max_connections` a new connection is closed at
-once. A refusal says `connection: close`.
+once (these bounds: `MIRROR_LIMITS`, an `llmgw.web.limits.ListenerLimits`). A refusal
+says `connection: close`.
 
 Every answered request is one INFO line on the logger "llmgw.cp.mirror" (the
 access log): `GET '/tiny/a.gguf' 206 1048576 bytes to 10.0.0.5:41234`: the
@@ -83,6 +84,7 @@ from llmgw.cp._weights._paths import (
     project_page,
     wants_json,
 )
+from llmgw.web.limits import ListenerLimits
 
 log = logging.getLogger("llmgw.cp.mirror")
 
@@ -96,19 +98,21 @@ _REASONS = {
 }  # fmt: skip
 
 
-@attrs.frozen(kw_only=True)
-class MirrorLimits:
-    """The client-side bounds of the mirror's listener."""
-
-    head_timeout_s: float = 10.0
-    keepalive_s: float = 30.0
-    send_timeout_s: float = 60.0
-    handshake_timeout_s: float = 10.0
-    max_head_bytes: int = 16384
-    chunk_bytes: int = 1 << 20
-    # Connections beyond this are closed at once: a node needs a few, and a peer that
-    # opens thousands must not take the control plane's file descriptors.
-    max_connections: int = 256
+# The client-side bounds of the mirror's listener. It takes no request body, so
+# body_timeout_s and discard_bytes are not read. Connections beyond
+# max_connections are closed at once: a node needs a few, and a peer that opens
+# thousands must not take the control plane's file descriptors.
+MIRROR_LIMITS = ListenerLimits(
+    head_timeout_s=10.0,
+    keepalive_s=30.0,
+    send_timeout_s=60.0,
+    handshake_timeout_s=10.0,
+    max_head_bytes=16384,
+    max_connections=256,
+)
+# A file is read (pread, in a thread) and written in pieces of this size: how the
+# mirror moves its own bytes, not a bound on the client, so not in MIRROR_LIMITS.
+CHUNK_BYTES = 1 << 20
 
 
 # --- the manifest's hashes ----------------------------------------------------------------
@@ -316,7 +320,7 @@ def _access(method: bytes, target: bytes, status: int, sent: int, peer: str, don
 
 
 class _Mirror:
-    def __init__(self, root: str, limits: MirrorLimits, cache: ManifestCache) -> None:
+    def __init__(self, root: str, limits: ListenerLimits, cache: ManifestCache) -> None:
         self.root = root
         self.limits = limits
         self.cache = cache
@@ -669,7 +673,7 @@ class _Mirror:
         )
         if request.method != b"HEAD":
             offset, end = start, start + length
-            chunk = self.limits.chunk_bytes
+            chunk = CHUNK_BYTES
             while offset < end:
                 data = await trio.to_thread.run_sync(os.pread, fd, min(chunk, end - offset), offset)
                 if not data:
@@ -686,7 +690,7 @@ async def serve_mirror(
     port: int,
     *,
     ssl_context: ssl.SSLContext | None = None,
-    limits: MirrorLimits | None = None,
+    limits: ListenerLimits | None = None,
     cache: ManifestCache | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -694,12 +698,13 @@ async def serve_mirror(
 
     `port` 0 binds a free port; the one bound is what `started` gives.
     `ssl_context`: a server context (the control plane's certificate) to speak
-    TLS; plain HTTP without it.
+    TLS; plain HTTP without it. `limits`: the listener's bounds, `MIRROR_LIMITS`
+    when not given.
     """
     real_root = await trio.to_thread.run_sync(os.path.realpath, os.fspath(root))
     if not await trio.to_thread.run_sync(os.path.isdir, real_root):
         raise NotADirectoryError(f"the mirror's root {root} is not a directory")
-    lim = limits or MirrorLimits()
+    lim = limits or MIRROR_LIMITS
     mirror = _Mirror(real_root, lim, cache or ManifestCache())
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = int(listeners[0].socket.getsockname()[1])
@@ -708,7 +713,7 @@ async def serve_mirror(
 
     async def handler(stream: trio.SocketStream) -> None:
         nonlocal active
-        if active >= lim.max_connections:
+        if lim.max_connections is not None and active >= lim.max_connections:
             log.info("mirror at %d connections (max_connections): closing a new one", active)
             await trio.aclose_forcefully(stream)
             return
