@@ -40,7 +40,7 @@ within `read_timeout_s`), the head is bounded by h11, and nothing is left to
 an async generator's finalizer. Bodies are asked for with
 `Accept-Encoding: identity`; redirects are not followed. A body framed by
 Content-Length is read straight from the stream once h11 has the head (1 MiB
-reads, gathered 4 MiB per write in a thread), and TLS is `_TlsClient`, which
+reads, gathered 4 MiB per write in a thread), and TLS is `llmgw.web.h1.TlsClient`, which
 decrypts every record that has arrived per read: measured with bench/fetch.py
 on 2 GiB over loopback, h11's body buffer and trio.SSLStream's record-at-a-time
 reads held the Fetcher to 65 % (HTTP) and 82 % (TLS) of curl; without them it
@@ -70,12 +70,12 @@ import trio
 from llmgw.agent.discovery import complete_entry
 from llmgw.core import MARKER, PARTIAL_SUFFIX, Manifest, ManifestError, cache_name, check_manifest
 from llmgw.errors import LlmgwError
+from llmgw.web.h1 import RECEIVE_BYTES, Broken, Quiet, TlsClient, body_length, read_head, receive
 
 log = logging.getLogger("llmgw.agent.fetch")
 
 ETAG_SUFFIX = ".etag"  # beside the partial: <name>.partial.etag
 WRITE_BYTES = 4 << 20  # bytes gathered before one write in a thread
-RECEIVE_BYTES = 1 << 20  # one read of a body's bytes (the head is read 64 KiB at a time)
 PROGRESS_INTERVAL_S = 1.0
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 _UNSATISFIED = re.compile(r"bytes\s+\*/(\d+)")
@@ -464,24 +464,16 @@ class Fetcher:
         """A body that stops, or breaks, as FetchError saying how far it got."""
         try:
             yield
-        except _Quiet as exc:
+        except Quiet as exc:
             raise FetchError(
                 f"{url}: no data for {self._timeouts[1]:g} s after {_of(done(), total)}; "
                 "fetching again resumes"
             ) from exc
-        except _Broken as exc:
+        except Broken as exc:
             raise FetchError(
                 f"{url}: the connection broke after {_of(done(), total)} ({_one_line(exc)}); "
                 "fetching again resumes"
             ) from exc
-
-
-class _Quiet(Exception):
-    """No bytes within the read deadline."""
-
-
-class _Broken(Exception):
-    """The connection broke, or the peer broke HTTP."""
 
 
 @attrs.define
@@ -500,19 +492,19 @@ class _Response:
     _left: int | None = None  # body bytes still to read straight from the stream
 
     async def next_chunk(self) -> bytes:
-        """The next piece of the body; b"" once it is complete. Raises _Quiet, _Broken."""
+        """The next piece of the body; b"" once it is complete. Raises Quiet, Broken."""
         if self._left is not None:
             return await self._raw_chunk()
         while True:
             try:
                 event = self._conn.next_event()
             except h11.RemoteProtocolError as exc:
-                raise _Broken(str(exc)) from exc
+                raise Broken(str(exc)) from exc
             if event is h11.NEED_DATA:
                 if self._length is not None:
                     self._left = self._length - self._seen
                     return await self._raw_chunk()
-                self._conn.receive_data(await _receive(self._stream, self._read_timeout_s))
+                self._conn.receive_data(await receive(self._stream, self._read_timeout_s))
             elif isinstance(event, h11.Data):
                 self._seen += len(event.data)
                 return bytes(event.data)
@@ -523,33 +515,14 @@ class _Response:
         assert self._left is not None and self._length is not None
         if self._left <= 0:
             return b""
-        data = await _receive(self._stream, self._read_timeout_s, min(self._left, RECEIVE_BYTES))
+        data = await receive(self._stream, self._read_timeout_s, min(self._left, RECEIVE_BYTES))
         if not data:
-            raise _Broken(
+            raise Broken(
                 "peer closed connection without sending complete message body (received "
                 f"{self._length - self._left} bytes, expected {self._length})"
             )
         self._left -= len(data)
         return data
-
-
-def _body_length(event: h11.Response, headers: dict[str, str]) -> int | None:
-    """The body's length when Content-Length frames it, else None (h11 reads it)."""
-    if "transfer-encoding" in headers or event.status_code in (204, 304):
-        return None
-    value = headers.get("content-length", "")
-    return int(value) if value.isdigit() else None
-
-
-async def _receive(stream: trio.abc.Stream, timeout_s: float, max_bytes: int = 65536) -> bytes:
-    try:
-        with trio.move_on_after(timeout_s) as timer:
-            data = await stream.receive_some(max_bytes)
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-        raise _Broken(_one_line(exc)) from exc
-    if timer.cancelled_caught:
-        raise _Quiet()
-    return bytes(data)
 
 
 class _Request:
@@ -571,7 +544,7 @@ class _Request:
         self.stream = stream
         if tls:
             context = self.ssl_context or ssl.create_default_context()
-            tls_stream = _TlsClient(stream, context, host)
+            tls_stream = TlsClient(stream, context, host)
             self.stream = tls_stream
             await tls_stream.do_handshake()
             stream = tls_stream
@@ -617,17 +590,10 @@ class _Request:
         try:
             with trio.fail_after(read_s):
                 await self.stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
-                while True:
-                    event = conn.next_event()
-                    if event is h11.NEED_DATA:
-                        conn.receive_data(await _receive(self.stream, read_s))
-                    elif isinstance(event, h11.Response):
-                        break
-                    elif isinstance(event, h11.ConnectionClosed):
-                        raise _Broken("the server closed the connection without answering")
-        except (trio.TooSlowError, _Quiet):
+                event = await read_head(conn, self.stream, read_s)
+        except (trio.TooSlowError, Quiet):
             raise FetchError(f"{url}: no answer within {read_s:g} s") from None
-        except (_Broken, h11.RemoteProtocolError, trio.BrokenResourceError, OSError) as exc:
+        except (Broken, h11.RemoteProtocolError, trio.BrokenResourceError, OSError) as exc:
             raise FetchError(f"{url}: {_one_line(exc)}") from exc
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
         return _Response(
@@ -637,86 +603,12 @@ class _Request:
             self.stream,
             conn,
             read_s,
-            _body_length(event, headers),
+            body_length(event.status_code, headers),
         )
 
     async def __aexit__(self, *exc: object) -> None:
         if self.stream is not None:
             await trio.aclose_forcefully(self.stream)
-
-
-class _TlsClient(trio.abc.Stream):
-    """A TLS client over a trio stream that reads every record already here at once.
-
-    trio.SSLStream hands out one TLS record (16 KiB) per `receive_some`, each through
-    its locks and a scheduler checkpoint: measured with bench/fetch.py --tls, that
-    was most of the Fetcher's CPU (4.6 s for 2 GiB against curl's 2.7 s). This one
-    decrypts every record that has arrived (one `SSLObject.read` each, in C) into one
-    answer of up to `max_bytes`, and refills from the socket `RECEIVE_BYTES` at a
-    time. Only what the Fetcher needs: one request, then the body; the connection is
-    never reused. Verification is the context's (hostname included). An EOF without
-    close_notify reads as the end, as `https_compatible` does in trio: the body's
-    Content-Length, or the manifest's size, tells a cut body from a whole one.
-    """
-
-    def __init__(self, transport: trio.abc.Stream, context: ssl.SSLContext, host: str) -> None:
-        self.transport = transport
-        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
-
-    async def _flush(self) -> None:
-        data = self._outgoing.read()
-        if data:
-            await self.transport.send_all(data)
-
-    async def _refill(self) -> None:
-        data = await self.transport.receive_some(RECEIVE_BYTES)
-        if data:
-            self._incoming.write(data)
-        else:
-            self._incoming.write_eof()
-
-    async def do_handshake(self) -> None:
-        while True:
-            try:
-                self._tls.do_handshake()
-            except ssl.SSLWantReadError:
-                await self._flush()
-                await self._refill()
-                continue
-            await self._flush()
-            return
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self._tls.write(data)  # into a memory BIO: never wants to wait
-        await self._flush()
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.transport.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        want = 65536 if max_bytes is None else max_bytes
-        parts: list[bytes] = []
-        got = 0
-        while got < want:
-            try:
-                chunk = self._tls.read(want - got)
-            except ssl.SSLWantReadError:
-                if parts:
-                    break  # what has arrived, now; the rest on the next call
-                await self._flush()  # a post-handshake message may want an answer
-                await self._refill()
-                continue
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                break  # close_notify, or a bare EOF: the end (see the class docstring)
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    async def aclose(self) -> None:
-        await self.transport.aclose()
 
 
 class _Meter:
@@ -778,7 +670,7 @@ async def _status_error(url: str, response: _Response) -> str:
         with trio.move_on_after(2):
             while len(body) < 200 and (chunk := await response.next_chunk()):
                 body += chunk
-    except (_Quiet, _Broken):
+    except (Quiet, Broken):
         pass
     text = " ".join(body[:200].decode("utf-8", "replace").split())
     said = f": {text}" if text and not text.lstrip().startswith("<") else ""

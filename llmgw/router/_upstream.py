@@ -2,7 +2,9 @@
 
 Why not httpx: on this machine httpx costs 1-2 ms of CPU per request, which
 is the router's whole budget; this client does what the router needs and no
-more (no TLS, no redirects, no cookies, no HTTP/2).
+more (no TLS, no redirects, no cookies, no HTTP/2). What it shares with the
+agent's fetcher is in `llmgw.web.h1`; why its reading stays here (the body
+read is per chunk of every streamed answer) is said there.
 
 Three timeouts, each at the edge it guards: `connect_s` (the TCP handshake),
 `first_byte_s` (request sent -> response head), `idle_s` (between body
@@ -27,6 +29,7 @@ import h11
 import trio
 
 from llmgw.errors import PeerError
+from llmgw.web.h1 import header
 
 log = logging.getLogger("llmgw.router.upstream")
 
@@ -128,10 +131,7 @@ class Response:
         return self._done
 
     def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return header(self.headers, name)
 
     async def next_chunk(self) -> bytes | None:
         """The body bytes that have arrived (at least one), or None at the end of the body.
