@@ -1,6 +1,7 @@
 """How `ctl replicas` prints a last failure under its replica."""
 
 from __future__ import annotations
+
 from pathlib import Path
 
 from llmgw.ctl._tables import format_failure, table, with_notes
