@@ -31,7 +31,6 @@ from llmgw.router import _surface
 from llmgw.router._fleet import Fleet, Model
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._record import Ask, Record
-from llmgw.router._request_id import Send
 from llmgw.router._scraper import EndpointState
 from llmgw.router._surface import HttpError
 from llmgw.router._upstream import (
@@ -41,6 +40,7 @@ from llmgw.router._upstream import (
     UpstreamError,
     UpstreamTimeout,
 )
+from llmgw.web.asgi import Send
 
 log = logging.getLogger("llmgw.router")
 

@@ -67,7 +67,6 @@ not the final coding with 501 too, where the lean listener says 400 as RFC 9112
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
 from functools import partial
 from typing import Any
 
@@ -84,15 +83,10 @@ from hypercorn.typing import ConnectionState, LifespanState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from llmgw.router._http1 import BAD_METHOD
+from llmgw.web.asgi import App, Message, Receive, Scope, Send
 from llmgw.web.limits import ListenerLimits
 
 log = logging.getLogger("llmgw.router.hypercorn")
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def config(bind: str, limits: ListenerLimits) -> hypercorn.config.Config:

@@ -24,7 +24,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -46,6 +46,7 @@ from llmgw.router._keys import CachedKeys, KeyStore, StaticKeys, StoreKeys
 from llmgw.router._router import Router, RouterConfig
 from llmgw.router._types import Endpoint, StaticEndpoints
 from llmgw.store import open_sqlite_file
+from llmgw.web.asgi import App, Receive, Scope, Send, lifespan
 from llmgw.web.limits import ListenerLimits
 
 log = logging.getLogger("llmgw.router")
@@ -220,23 +221,13 @@ async def open_keys_db(path: Path) -> AsyncIterator[StoreKeys]:
             await db.aclose()
 
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-
-
-def metrics_app(router: Router) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+def metrics_app(router: Router) -> App:
     """`GET /metrics` (Prometheus text) and `GET /healthz`; rendered on the event loop."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         rid = _request_id.new().encode()

@@ -14,11 +14,8 @@ import contextvars
 import itertools
 import logging
 import os
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
-Message = MutableMapping[str, Any]
-Send = Callable[[Message], Awaitable[None]]
+from llmgw.web.asgi import Message, Send
 
 HEADER = b"x-request-id"
 OWN_HEADER = b"x-llmgw-request-id"

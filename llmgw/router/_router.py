@@ -27,7 +27,6 @@ import logging
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import trio
@@ -55,6 +54,7 @@ from llmgw.router._tenants import share as share
 from llmgw.router._types import EndpointSource
 from llmgw.router._upstream import Timeouts
 from llmgw.router._usage import UsageMeter, UsageSink
+from llmgw.web.asgi import Receive, Scope, Send, lifespan
 
 __all__ = [
     "DEFAULT_BANDS",
@@ -69,10 +69,6 @@ __all__ = [
 
 log = logging.getLogger("llmgw.router")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 _MODEL_PREFIX = "/v1/models/"
 
@@ -249,7 +245,7 @@ class Router:
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
@@ -488,16 +484,6 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, record: R
             if not record.complete:
                 record.client_gone = True
                 scope.cancel()
-            return
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
             return
 
 

@@ -42,24 +42,18 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from email.utils import formatdate
-from typing import Any
 from urllib.parse import unquote
 
 import attrs
 import trio
 
 from llmgw.router._http1 import END, Failure, Head, RequestParser
+from llmgw.web.asgi import App, Message, Scope
 from llmgw.web.limits import ListenerLimits
 
 log = logging.getLogger("llmgw.router.server")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 READ_SIZE = 65536
 MAX_PIPELINED = 1 << 20

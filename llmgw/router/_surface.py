@@ -27,12 +27,15 @@ from typing import Any, Literal
 
 import attrs
 
+from llmgw.web.asgi import HttpError as _AsgiHttpError
+
 ErrorShape = Literal["openai", "anthropic"]
 JSON_CONTENT_TYPE = b"application/json"
 
 
-class HttpError(Exception):
-    """Answer the client with this status, in its route's error shape."""
+class HttpError(_AsgiHttpError):
+    """Answer the client with this status, in its route's error shape; `type` and `code`
+    are the OpenAI body's fields (`error_body`)."""
 
     def __init__(
         self,
@@ -43,11 +46,9 @@ class HttpError(Exception):
         code: str,
         headers: tuple[tuple[bytes, bytes], ...] = (),
     ) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(status, message, headers=headers)
         self.type = type
         self.code = code
-        self.headers = headers
 
 
 @attrs.frozen

@@ -16,18 +16,7 @@ from urllib.parse import parse_qsl
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmgw.cp._admin._fleet import Fleet
-from llmgw.cp._admin._http import (
-    Asgi,
-    HttpError,
-    Receive,
-    Route,
-    Scope,
-    Send,
-    lifespan,
-    read_json,
-    send_error,
-    send_json,
-)
+from llmgw.cp._admin._http import Route, read_json, send_error
 from llmgw.cp._admin._key import authorised, digest
 from llmgw.cp._admin._logs import Logs
 from llmgw.cp._admin._models import Explainer, Models
@@ -41,6 +30,8 @@ from llmgw.cp._observe import _node_logs
 from llmgw.errors import ConfigError, NotFound, PeerError, StaleEpoch, UsageError
 from llmgw.router import KeyStore
 from llmgw.store import Store
+from llmgw.web.asgi import App as Asgi
+from llmgw.web.asgi import HttpError, Receive, Scope, Send, lifespan, send_json
 
 
 class LeaderSource(Protocol):

@@ -1,5 +1,6 @@
-"""The admin API's HTTP plumbing: ASGI types, the route row, its one error value, reading a
-JSON request body and writing a JSON answer.
+"""The admin API's HTTP plumbing: the route row, reading a JSON request body, and the
+admin's error body. The ASGI types, the lifespan loop, the JSON answer and the error value
+are llmgw.web.asgi's; `HttpError` is re-exported here beside `expect`, which raises it.
 
 Nothing here knows a resource; each resource module builds its rows with `route`.
 """
@@ -8,13 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
+from llmgw.web.asgi import HttpError, Receive, Send, send_json
+
+__all__ = ["Handler", "HttpError", "Route", "expect", "read_json", "route", "send_error"]
 
 # A handler is called with `body` (the parsed JSON, or None), `query` (the query string
 # as a dict) and the path's named groups; it answers (status, JSON value). Bytes are JSON
@@ -23,12 +23,6 @@ Handler = Callable[..., Awaitable[tuple[int, Any]]]
 Route = tuple[str, re.Pattern[str], Handler]
 
 _TEMPLATE = re.compile(r"^/api/v1(/([a-z0-9-]+|\{[a-z_]+\}))+$")
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def route(method: str, template: str, handler: Handler) -> Route:
@@ -81,32 +75,6 @@ async def read_json(receive: Receive, limit: int = 1 << 20) -> Any:
         return json.loads(raw)
     except ValueError as exc:
         raise HttpError(400, f"the request body is not JSON: {exc}") from None
-
-
-async def lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-async def send_json(send: Send, status: int, body: Any) -> None:
-    """`body` as JSON; bytes are taken as JSON already rendered."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(data)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
 
 
 async def send_error(send: Send, status: int, message: str) -> None:

@@ -9,7 +9,7 @@ import os
 import secrets
 from pathlib import Path
 
-from llmgw.cp._admin._http import Scope
+from llmgw.web.asgi import Scope
 
 ADMIN_KEY_FILE = "admin.key"
 

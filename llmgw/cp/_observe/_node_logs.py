@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import trio
@@ -25,9 +24,7 @@ import trio
 from llmgw import config, model
 from llmgw.errors import DeadlineExceeded, PeerError
 from llmgw.rpc import AgentHandle, LogStream
-
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+from llmgw.web.asgi import Receive, Send
 
 DEFAULT_LINES = 100
 MAX_LINES = 2000

@@ -20,7 +20,7 @@ import os
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlencode
@@ -31,6 +31,8 @@ from quart import Response, g, redirect, render_template, request
 from quart_trio import QuartTrio
 
 from llmgw.cp._pages import _view
+from llmgw.web.asgi import App as Asgi
+from llmgw.web.asgi import Message
 
 log = logging.getLogger("llmgw.cp.pages")
 
@@ -40,10 +42,6 @@ MAX_SESSIONS = 256
 LOG_LINES = 200
 MIRROR_MAX_ENTRIES = 2000
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
 Api = Callable[..., Awaitable[tuple[int, Any]]]
 
 CSP = (
@@ -61,12 +59,12 @@ def api_client(app: Asgi, admin_key: str) -> Api:
         method: str, path: str, *, query: dict[str, str] | None = None, body: Any = None
     ) -> tuple[int, Any]:
         raw = b"" if body is None else json.dumps(body).encode()
-        sent: list[MutableMapping[str, Any]] = []
+        sent: list[Message] = []
 
-        async def receive() -> MutableMapping[str, Any]:
+        async def receive() -> Message:
             return {"type": "http.request", "body": raw, "more_body": False}
 
-        async def send(message: MutableMapping[str, Any]) -> None:
+        async def send(message: Message) -> None:
             sent.append(message)
 
         scope = {
