@@ -179,6 +179,19 @@ def start_tiny_fleet(
     cluster.start_cp()
     for node in nodes:
         cluster.start_agent(node, env=engine_env)
+    # Every node registered before the caller changes the catalog: a replica placed while
+    # one node is still dialling lands beside the first (the reconciler's first pass is
+    # immediate), and a test counting one replica per node then sees two on one.
+    from llmgw.testing.cluster import wait_for
+
+    wait_for(
+        f"{len(nodes)} nodes ready",
+        lambda: (
+            sorted(n for n, v in api_nodes(cluster).items() if v["state"] == "ready")
+            == sorted(nodes)
+        ),
+        60,
+    )
 
 
 def api_nodes(cluster: Any) -> dict[str, dict[str, Any]]:
