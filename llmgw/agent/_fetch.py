@@ -70,7 +70,16 @@ import trio
 from llmgw.agent.discovery import complete_entry
 from llmgw.core import MARKER, PARTIAL_SUFFIX, Manifest, ManifestError, cache_name, check_manifest
 from llmgw.errors import LlmgwError
-from llmgw.web.h1 import RECEIVE_BYTES, Broken, Quiet, TlsClient, body_length, read_head, receive
+from llmgw.web.h1 import (
+    RECEIVE_BYTES,
+    Broken,
+    Quiet,
+    TlsClient,
+    body_length,
+    one_line,
+    read_head,
+    receive,
+)
 
 log = logging.getLogger("llmgw.agent.fetch")
 
@@ -247,7 +256,7 @@ class Fetcher:
         except FetchError as exc:
             flight.error = str(exc)
         except Exception as exc:  # a bug: every waiter hears of it; the service goes on
-            flight.error = f"{url}: fetch failed: {type(exc).__name__}: {_one_line(exc)}"
+            flight.error = f"{url}: fetch failed: {type(exc).__name__}: {one_line(exc)}"
             log.exception("fetching %s failed", url)
         finally:
             if flight.path is None and flight.error is None:
@@ -471,7 +480,7 @@ class Fetcher:
             ) from exc
         except Broken as exc:
             raise FetchError(
-                f"{url}: the connection broke after {_of(done(), total)} ({_one_line(exc)}); "
+                f"{url}: the connection broke after {_of(done(), total)} ({one_line(exc)}); "
                 "fetching again resumes"
             ) from exc
 
@@ -573,7 +582,7 @@ class _Request:
         except trio.TooSlowError:
             raise FetchError(f"{url}: could not connect within {connect_s:g} s") from None
         except (OSError, trio.BrokenResourceError) as exc:
-            raise FetchError(f"{url}: cannot connect: {_one_line(exc)}") from exc
+            raise FetchError(f"{url}: cannot connect: {one_line(exc)}") from exc
         conn = h11.Connection(h11.CLIENT)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         request = h11.Request(
@@ -594,7 +603,7 @@ class _Request:
         except (trio.TooSlowError, Quiet):
             raise FetchError(f"{url}: no answer within {read_s:g} s") from None
         except (Broken, h11.RemoteProtocolError, trio.BrokenResourceError, OSError) as exc:
-            raise FetchError(f"{url}: {_one_line(exc)}") from exc
+            raise FetchError(f"{url}: {one_line(exc)}") from exc
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
         return _Response(
             event.status_code,
@@ -649,18 +658,6 @@ def _strong_etag(response: _Response) -> str | None:
 
 def _of(done: int, total: int | None) -> str:
     return f"{done} of {total} bytes" if total is not None else f"{done} bytes"
-
-
-def _one_line(exc: BaseException) -> str:
-    """The first cause that says something (trio's BrokenResourceError often says nothing)."""
-    seen: BaseException | None = exc
-    for _ in range(6):
-        if seen is None:
-            break
-        if str(seen):
-            return " ".join(str(seen).split())
-        seen = seen.__cause__ or seen.__context__
-    return type(exc).__name__
 
 
 async def _status_error(url: str, response: _Response) -> str:

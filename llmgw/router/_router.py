@@ -22,7 +22,6 @@ engine cancels its generation.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import random
@@ -54,7 +53,7 @@ from llmgw.router._tenants import share as share
 from llmgw.router._types import EndpointSource
 from llmgw.router._upstream import Timeouts
 from llmgw.router._usage import UsageMeter, UsageSink
-from llmgw.web.asgi import Receive, Scope, Send, lifespan
+from llmgw.web.asgi import Receive, Scope, Send, lifespan, send_json
 
 __all__ = [
     "DEFAULT_BANDS",
@@ -269,7 +268,7 @@ class Router:
                 await self._get_model(scope, send, record, path[len(_MODEL_PREFIX) :])
             elif path in ("/health", "/healthz") and method == "GET":
                 record.status = 200
-                await _json(send, 200, {"status": "ok"})
+                await send_json(send, 200, {"status": "ok"})
             elif route is not None or path == "/v1/models" or path.startswith(_MODEL_PREFIX):
                 allow = b"POST" if route is not None else b"GET, HEAD"
                 raise _surface.method_not_allowed(scope["method"], path, allow)
@@ -312,7 +311,7 @@ class Router:
             if key.may_use(name) and any(s.healthy for s in model.endpoints)
         ]
         record.status = 200
-        await _json(send, 200, {"object": "list", "data": data})
+        await send_json(send, 200, {"object": "list", "data": data})
 
     async def _get_model(self, scope: Scope, send: Send, record: Record, name: str) -> None:
         """OpenAI's `GET /v1/models/{model}`: a model GET /v1/models lists, else 404.
@@ -324,7 +323,9 @@ class Router:
         if model is None or not key.may_use(name) or not any(s.healthy for s in model.endpoints):
             raise _surface.model_not_listed(name)
         record.status = 200
-        await _json(send, 200, {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"})
+        await send_json(
+            send, 200, {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+        )
 
     # --- the request path: parse -> authenticate -> admit -> attempt ----------------------
 
@@ -409,7 +410,7 @@ class Router:
         if explaining:
             record.model = name if name in self.fleet.models() else ""
             record.status = 200
-            await _json(send, 200, explanation(self.fleet, name, prompt, affinity))
+            await send_json(send, 200, explanation(self.fleet, name, prompt, affinity))
             return
         model = self.fleet.models().get(name)
         if model is None:
@@ -487,23 +488,5 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, record: R
             return
 
 
-async def _json(
-    send: Send, status: int, body: Any, headers: tuple[tuple[bytes, bytes], ...] = ()
-) -> None:
-    data = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", b"%d" % len(data)),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
-
-
 async def _error(send: Send, exc: HttpError, shape: _surface.ErrorShape = "openai") -> None:
-    await _json(send, exc.status, _surface.error_body(shape, exc), exc.headers)
+    await send_json(send, exc.status, _surface.error_body(shape, exc), exc.headers)

@@ -45,6 +45,7 @@ __all__ = [
     "TlsClient",
     "body_length",
     "header",
+    "one_line",
     "read_head",
     "receive",
 ]
@@ -61,7 +62,7 @@ class Broken(Exception):
     """The connection broke, or the peer broke HTTP (a signal, as `Quiet`)."""
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """The first cause that says something (trio's BrokenResourceError often says nothing)."""
     seen: BaseException | None = exc
     for _ in range(6):
@@ -84,7 +85,7 @@ async def receive(
         with trio.move_on_after(timeout_s) as timer:
             data = await stream.receive_some(max_bytes)
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-        raise Broken(_one_line(exc)) from exc
+        raise Broken(one_line(exc)) from exc
     if timer.cancelled_caught:
         raise Quiet()
     return bytes(data)
