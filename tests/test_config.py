@@ -351,6 +351,11 @@ def _run(name: str, path: Path) -> tuple[subprocess.CompletedProcess[str], float
     return done, time.monotonic() - start
 
 
+# A refusal comes at once, before any retry or backoff; the bound is generous because a
+# loaded 2-core machine takes seconds just to start Python and import llmgw.
+REFUSED_WITHIN_S = 30.0
+
+
 @pytest.mark.parametrize(("command", "line", "expected"), BROKEN, ids=[b[1] for b in BROKEN])
 def test_broken_values_stop_the_process_in_one_line(
     tmp_path: Path, command: str, line: str, expected: str
@@ -363,7 +368,7 @@ def test_broken_values_stop_the_process_in_one_line(
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"{command}: {path}: {expected}"]
     assert "Traceback" not in done.stderr + done.stdout
-    assert took < 5.0, f"{command} took {took:.1f} s to refuse its config"
+    assert took < REFUSED_WITHIN_S, f"{command} took {took:.1f} s to refuse its config"
 
 
 @pytest.mark.parametrize("command", ["llmgw-cp", "llmgw-agent"])
@@ -381,7 +386,7 @@ def test_missing_tls_file_is_named_by_its_key(tmp_path: Path, command: str) -> N
     assert done.stderr.strip().splitlines() == [
         f"{command}: {path}: tls.cert: no such file: {tmp_path}/nope.crt"
     ]
-    assert took < 5.0
+    assert took < REFUSED_WITHIN_S, took
     assert not (tmp_path / "state").exists()  # refused before anything was started or written
 
 
@@ -445,7 +450,7 @@ def test_a_mirror_dir_that_is_not_a_directory_stops_llmgw_cp(tmp_path: Path, kin
         f"llmgw-cp: {path}: mirror.dir: {problem}: {target}"
     ]
     assert "Traceback" not in done.stderr + done.stdout
-    assert took < 5.0
+    assert took < REFUSED_WITHIN_S, took
     assert not (tmp_path / "state").exists()  # refused before anything was started or written
 
 

@@ -44,10 +44,17 @@ def build_release(tmp: Path) -> Path:
     return dist
 
 
-@contextlib.contextmanager
-def fleet(tmp_path: Path) -> Iterator[tuple[LocalCluster, Sshd]]:
+@pytest.fixture(scope="module")
+def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One release for the module's tests; each copies it into its own mirror (one
+    tampers with its copy)."""
     require_sshd()
-    dist = build_release(tmp_path)
+    return build_release(tmp_path_factory.mktemp("release"))
+
+
+@contextlib.contextmanager
+def fleet(tmp_path: Path, dist: Path) -> Iterator[tuple[LocalCluster, Sshd]]:
+    require_sshd()
     cluster = LocalCluster(tmp_path / "fleet")
     cluster.mirror_dir = tmp_path / "mirror"
     shutil.copytree(dist, cluster.mirror_dir / "llmgw")  # as `ctl release publish` lays it out
@@ -95,10 +102,10 @@ def kill_agent(root: Path) -> None:
 
 @pytest.mark.slow
 def test_onboard_installs_from_the_mirror_starts_the_agent_and_twice_changes_nothing(
-    tmp_path: Path,
+    tmp_path: Path, release: Path
 ) -> None:
     root = tmp_path / "node-41"
-    with fleet(tmp_path) as (cluster, server):
+    with fleet(tmp_path, release) as (cluster, server):
         try:
             dry = onboard(cluster, server, "node-41", root, "--label", "rack=r1", "--dry-run")
             assert dry.returncode == 0, dry.stdout + dry.stderr
@@ -176,9 +183,9 @@ def test_onboard_installs_from_the_mirror_starts_the_agent_and_twice_changes_not
 
 
 @pytest.mark.slow
-def test_a_tampered_wheel_in_the_mirror_is_refused_naming_it(tmp_path: Path) -> None:
+def test_a_tampered_wheel_in_the_mirror_is_refused_naming_it(tmp_path: Path, release: Path) -> None:
     root = tmp_path / "node-42"
-    with fleet(tmp_path) as (cluster, server):
+    with fleet(tmp_path, release) as (cluster, server):
         assert cluster.mirror_dir is not None
         victim = sorted((cluster.mirror_dir / "llmgw" / "wheelhouse").glob("*.whl"))[0]
         with victim.open("ab") as f:
@@ -197,14 +204,16 @@ def test_a_tampered_wheel_in_the_mirror_is_refused_naming_it(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_install_from_the_mirror_on_the_node_itself_without_ssh(tmp_path: Path) -> None:
+def test_install_from_the_mirror_on_the_node_itself_without_ssh(
+    tmp_path: Path, release: Path
+) -> None:
     """For fleets provisioned by their own tooling (cloud-init, Ansible): the node holds
     its certificate and runs `llmgw-agent install --from https://CP:PORT/` itself; the
     release is installed from the mirror and that installation writes the configuration
     and starts the agent, which registers with its labels."""
     require_sshd()  # not used here; the fleet fixture starts one
     root = tmp_path / "node-43"
-    with fleet(tmp_path) as (cluster, _server):
+    with fleet(tmp_path, release) as (cluster, _server):
         from llmgw.ctl import _cert
 
         _cert.issue_agent(cluster.pki, "node-43")
