@@ -161,16 +161,18 @@ def start_tiny_fleet(
     *,
     engine_env: dict[str, str],
     router: dict[str, Any] | None = None,
+    models: list[dict[str, Any]] | None = None,
     **server: Any,
 ) -> None:
     """A control plane and one agent per node, the fake llama-server as their engine.
 
     `cluster` is a llmgw.testing.cluster.LocalCluster; `engine_env` is passed to the
-    agents (the fake engine reads its behaviour from LLMGW_FAKE_*)."""
+    agents (the fake engine reads its behaviour from LLMGW_FAKE_*); `models` is the
+    catalog (default: `tiny_catalog(1)`)."""
     from llmgw.testing import fake_engine
 
     llama = fake_engine.install(tmp_path / "bin", "llama-server")
-    cluster.models = tiny_catalog(1)
+    cluster.models = models if models is not None else tiny_catalog(1)
     cluster.router_extra.update(router or {})
     cluster.server_extra.update(server)
     cluster.setup(nodes)

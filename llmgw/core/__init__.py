@@ -9,6 +9,7 @@ from llmgw.core._attempt import (
     attempt_verdict,
     head_outcome,
 )
+from llmgw.core._backoff import Backoff, BackoffPolicy, backoff_failure, backoff_settled
 from llmgw.core._breaker import Breaker, BreakerConfig, BreakerEvent, BreakerState
 from llmgw.core._drain import DrainDecision, DrainingReplica, DrainInput, drain_model
 from llmgw.core._estimates import EngineReport, Estimates, learn
@@ -117,6 +118,8 @@ __all__ = [
     "AttemptOutcome",
     "AttemptPhase",
     "AttemptVerdict",
+    "Backoff",
+    "BackoffPolicy",
     "Band",
     "Breaker",
     "BreakerConfig",
@@ -176,6 +179,8 @@ __all__ = [
     "Verdict",
     "allocations",
     "attempt_verdict",
+    "backoff_failure",
+    "backoff_settled",
     "cache_name",
     "chain",
     "check_manifest",

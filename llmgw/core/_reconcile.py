@@ -17,7 +17,11 @@ Rules, in order:
 - a replica with a rank on an unreachable node, or a rank unhealthy for less
   than `unhealthy_replace_s`: left alone, and counted;
 - more replicas than wanted: the least advanced, then the newest, stopped;
-- fewer: a Start per missing replica (`pending` starts count as present);
+- fewer: a Start per missing replica (`pending` starts count as present),
+  except for a model in its restart backoff (`backoff`, llmgw/core/_backoff.py):
+  nothing before its next try, then one replica at a time (none while one
+  started since its last failure is pending or starting; replicas started
+  before it go on loading and do not hold the replacement back);
 - the guard: while more than half the fleet is away (unreachable, lost, or
   expected but not registered yet), nothing is rescheduled (this control
   plane is probably the one cut off), and the plan says so;
@@ -42,6 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
+from llmgw.core._backoff import Backoff, BackoffPolicy
 from llmgw.core._drain import DrainingReplica, DrainInput, drain_model
 from llmgw.core._liveness import NodeState
 from llmgw.core._replica import ALIVE_REPLICA_STATES, BEHIND, ReplicaState
@@ -105,6 +110,7 @@ class Plan:
 
 
 ALIVE = ALIVE_REPLICA_STATES
+BACKOFF_POLICY = BackoffPolicy()
 SETTLE_MAX_FACTOR = 6.0  # the hysteresis never holds longer than this many settle times
 
 
@@ -186,6 +192,8 @@ def reconcile(
     ready_since: Mapping[str, float] | None = None,
     settle_s: float = 10.0,
     settle_max_s: float | None = None,
+    backoff: Mapping[str, Backoff] | None = None,
+    backoff_policy: BackoffPolicy = BACKOFF_POLICY,
 ) -> Plan:
     """The actions that bring `shards` toward `desired`.
 
@@ -197,6 +205,7 @@ def reconcile(
     `unhealthy_since`: shard id -> when it was first seen unhealthy.
     `guard_held_at`, `ready_since` (node -> when it last became ready),
     `settle_s`, `settle_max_s`: the guard's hysteresis, in the module's rules.
+    `backoff`: model -> its restart backoff, under `backoff_policy`.
     """
     pending = pending or {}
     unhealthy_since = unhealthy_since or {}
@@ -278,7 +287,16 @@ def reconcile(
                 for v in views
             ]
         elif len(have) + pending.get(d.name, 0) < d.replicas and not holding:
-            actions += [Start(d.name)] * (d.replicas - len(have) - pending.get(d.name, 0))
+            missing = d.replicas - len(have) - pending.get(d.name, 0)
+            b = (backoff or {}).get(d.name)
+            if b is not None:
+                trying = pending.get(d.name, 0) + sum(
+                    1
+                    for _, v in have
+                    if v.state == ReplicaState.STARTING and v.first_seen >= b.last_at
+                )
+                missing = 0 if now < b.next_try_at(backoff_policy) or trying else 1
+            actions += [Start(d.name)] * missing
     if drain is not None and draining:
         views = _apply_drain(wanted, alive, draining, drain, now, holding, views, stop_all,
                              by_replica)  # fmt: skip

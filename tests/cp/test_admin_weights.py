@@ -42,6 +42,9 @@ class _Reconciler:
     def unplaced(self) -> list[object]:
         return []
 
+    def backoffs(self) -> dict[str, core.Backoff]:
+        return {}
+
     def statistics(self) -> dict[str, int]:
         return {"passes": 1}
 

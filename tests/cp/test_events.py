@@ -277,6 +277,9 @@ class _Reconciler:
     def unplaced(self) -> list[object]:
         return []
 
+    def backoffs(self) -> dict[str, core.Backoff]:
+        return {}
+
 
 async def test_replicas_rows_show_the_predecessors_failure_for_the_window(
     autojump_clock: trio.testing.MockClock,

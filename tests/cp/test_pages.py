@@ -351,6 +351,22 @@ async def test_the_replicas_page_shows_unplaced_models_with_their_reasons(fleet:
     assert "unplaced" in row.group(1)
 
 
+async def test_the_replicas_page_shows_a_model_in_its_restart_backoff(fleet: Fleet) -> None:
+    m = fleet.catalog.catalog.models[0]
+    shard = model.ShardReport("s1", "tiny", "llama-server", "failed", replica_id="r1",
+                              model_name="tiny", profile_fingerprint=fingerprint(m, m.profiles[0]),
+                              reason="engine exited with code 1")  # fmt: skip
+    await register(fleet.registry, "n1", inventory=_inventory("n1", cpu=1.0), shards=(shard,))
+    await fleet.reconciler.tick()
+    async with fleet.client() as client:
+        await _login(client)
+        html = (await client.get("/admin/data/replicas")).text
+    state = _cell(html, 'data-backoff="tiny"', "state")
+    assert state == (
+        "backoff: trying again after 1 failure: rank 0 on n1 failed: engine exited with code 1"
+    )
+
+
 async def test_a_starting_replica_shows_its_download_as_a_progress_bar(fleet: Fleet) -> None:
     m = fleet.catalog.catalog.models[0]
     shard = model.ShardReport("s1", "tiny", "llama-server", "starting", replica_id="r1",

@@ -21,7 +21,7 @@ from llmgw.cp._fleet._catalog import Catalog, parse
 from llmgw.cp._fleet._reconciler import Reconciler
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.cp._fleet._wake import Wakeup
-from llmgw.errors import DeadlineExceeded
+from llmgw.errors import DeadlineExceeded, LlmgwError
 from llmgw.rpc import PeerInfo
 from llmgw.store import open_store
 
@@ -358,3 +358,141 @@ def test_statistics_names_passes_for_tests_to_wait_on() -> None:
     stats = reconciler.statistics()
     assert {"passes", "settling", "holding", "pending"} <= stats.keys()
     assert stats["passes"] == 0 and stats["settling"] == 1
+
+
+# Restart backoff (llmgw/core/_backoff.py) ----------------------------------------------------
+
+
+def two_models() -> Catalog:
+    profile = {"engine": "llama-server", "gpus_per_node": 0}
+    return parse(
+        {
+            "models": [
+                {"name": "broken", "source": "/models/x.gguf", "replicas": 2,
+                 "profiles": [profile]},
+                {"name": "good", "source": "/models/good.gguf", "replicas": 1,
+                 "profiles": [profile]},
+            ]
+        },
+        "server.yaml",
+    )  # fmt: skip
+
+
+class Refusing(FakeAgent):
+    """Refuses every start of `broken` as the agent refuses a bad source; the rest start
+    and are ready at once."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(node_id)
+        self.tries: list[float] = []
+
+    async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
+        self.started.append(spec)
+        if spec.model_name == "broken":
+            self.tries.append(trio.current_time())
+            raise LlmgwError("source '../x': a manifest path may not leave the model directory")
+        return report(spec, "ready")
+
+
+async def test_a_model_refused_at_start_waits_twice_as_long_each_time(
+    autojump_clock: Any,
+) -> None:
+    wake = Wakeup()
+    policy = core.LivenessPolicy(heartbeat_interval_s=1.0, lost_after_s=5.0)
+    registry = NodeRegistry(policy, listeners=(wake.poke,))
+    reconciler = Reconciler(registry, two_models, interval_s=0.5, settle_s=0.0, wake=wake)
+    agent = Refusing("a")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        _, _, session = await register(registry, "a", agent)
+        await nursery.start(reconciler.run)
+        t0 = trio.current_time()
+        for i in range(200):  # 200 s; the agent stays alive throughout
+            await trio.sleep(1)
+            await beat(session, i + 1)
+        nursery.cancel_scope.cancel()
+
+    tries = [t - t0 for t in agent.tries]
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
+    # The first pass tries both missing replicas (one round: one failure), the next
+    # pass one, and from then on one at a time, 5, 10, 20, 40 and 80 s apart (plus up
+    # to a pass).
+    assert len(tries) == 8, tries  # without the backoff: two every pass, 800 or so
+    assert gaps[0] == 0 and gaps[1] <= 1, tries
+    for wait, floor in zip(gaps[2:], [5, 10, 20, 40, 80], strict=True):
+        assert floor - 0.01 <= wait <= floor + 1, (tries, gaps)
+    # `good` started once, at once, and is not held back by its neighbour.
+    assert [s.model_name for s in agent.started].count("good") == 1
+    b = reconciler.backoffs()["broken"]
+    assert b.failures == len(tries) - 1  # the first two were one round
+    assert "a manifest path may not leave the model directory" in b.reason
+    assert "good" not in reconciler.backoffs()
+
+
+class FailingThenGood(FakeAgent):
+    """Its shards of `tiny` fail on the node `failures` times (the engine exits), then
+    one is ready."""
+
+    def __init__(self, node_id: str, failures: int) -> None:
+        super().__init__(node_id)
+        self.failures = failures
+        self.tries: list[float] = []
+
+    async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
+        self.started.append(spec)
+        self.tries.append(trio.current_time())
+        if len(self.tries) <= self.failures:
+            return report(spec, "failed", reason="engine exited with code 1")
+        return report(spec, "ready")
+
+
+async def test_replicas_failing_on_the_node_back_off_and_a_ready_one_resets_the_count(
+    autojump_clock: Any,
+) -> None:
+    registry, reconciler = make(replicas=1, settle_s=0.0)
+    agent = FailingThenGood("a", failures=4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        _, _, session = await register(registry, "a", agent)
+        await nursery.start(reconciler.run)
+        seq = 0
+
+        async def run_for(seconds: int) -> None:
+            nonlocal seq
+            for _ in range(seconds):
+                await trio.sleep(1)
+                seq += 1
+                await beat(session, seq)
+
+        def tries() -> list[int]:
+            return [round(t - t0) for t in agent.tries]
+
+        async def fail_the_ready_one() -> None:
+            (spec,) = [s for s in agent.started if s.shard_id not in agent.stopped][-1:]
+            await session.shard_status(report(spec, "failed", reason="engine was killed"))
+
+        t0 = trio.current_time()
+        await run_for(30)
+        # The first failure is replaced at once; then 5 s, then 10 s.
+        assert len(tries()) == 4 and tries()[1] <= 1, tries()
+        assert 5 <= tries()[2] <= 7 and 15 <= tries()[3] <= 18, tries()
+        b = reconciler.backoffs()["tiny"]
+        assert b.failures == 4 and "engine exited with code 1" in b.reason
+        assert [v for v in reconciler.replicas() if v.state == "ready"] == []
+        await run_for(30)  # the 5th try, 20 s after the 4th, is ready
+        assert len(tries()) == 5 and 20 <= tries()[4] - tries()[3] <= 22, tries()
+        assert [v.state for v in reconciler.replicas()] == ["ready"]
+        assert reconciler.backoffs() == {}  # nothing is held back: not shown
+
+        # Ready for less than a minute, then it fails: the count goes on (a 40 s wait).
+        failed_at = trio.current_time() - t0
+        await fail_the_ready_one()
+        await run_for(60)
+        assert len(tries()) == 6 and 40 <= tries()[5] - failed_at <= 43, (failed_at, tries())
+        # Ready for more than a minute, then it fails: counted from zero, replaced at once.
+        await run_for(70)
+        await fail_the_ready_one()
+        before = trio.current_time() - t0
+        await run_for(5)
+        assert len(tries()) == 7 and tries()[6] - before <= 2, tries()
+        nursery.cancel_scope.cancel()

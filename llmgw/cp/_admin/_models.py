@@ -104,6 +104,22 @@ class Models:
                     "last_failure": _failure_json(failure),
                 }
             )
+        for name, b in sorted(reconciler.backoffs().items()):
+            failure = events.predecessor_failure(name, started=None, present=present)
+            rows.append(
+                {
+                    "model": name,
+                    "replica": None,
+                    "state": "backoff",
+                    "nodes": [],
+                    "since": wall - (now - b.last_at),  # its last failure
+                    "stale": False,
+                    "reason": b.describe(now, reconciler.backoff_policy),
+                    "failures": b.failures,
+                    "next_try_in_s": max(0.0, b.next_try_at(reconciler.backoff_policy) - now),
+                    "last_failure": _failure_json(failure),
+                }
+            )
         return rows
 
     def _fetching(self, nodes: tuple[str, ...], source: str | None) -> dict[str, Any] | None:

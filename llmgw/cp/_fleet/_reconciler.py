@@ -55,6 +55,11 @@ from llmgw.errors import DeadlineExceeded, LlmgwError, StaleEpoch
 log = logging.getLogger("llmgw.cp.reconciler")
 
 FAILED_START_VISIBLE_S = 600.0  # a start that never reached its agent stays in `replicas()`
+# What counts as its model's failure, for the restart backoff (llmgw/core/_backoff.py); a lost
+# node, a drain, a catalog change or a scale-down is not the model's fault.
+FAILURE_STATES = frozenset(
+    {core.ReplicaState.FAILED, core.ReplicaState.TIMED_OUT, core.ReplicaState.INCOMPLETE}
+)
 
 
 @attrs.frozen
@@ -100,6 +105,7 @@ class Reconciler:
         wake: Wakeup | None = None,
         retiring: Retiring | None = None,
         in_flight: Callable[[str, str], int | None] | None = None,
+        backoff: core.BackoffPolicy | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
@@ -134,6 +140,13 @@ class Reconciler:
         self.drain_timeout_s = drain_timeout_s
         self._in_flight = in_flight
         self._retiring = retiring if retiring is not None else Retiring()
+        # Restart backoff, per model (llmgw/core/_backoff.py): each failed replica counted
+        # once, and when each replica now ready became so.
+        self.backoff_policy = backoff if backoff is not None else core.BackoffPolicy()
+        self._backoff: dict[str, core.Backoff] = {}
+        self._counted: set[str] = set()
+        self._started_after: dict[str, int] = {}  # replica id -> its model's failures then
+        self._ready_at: dict[str, float] = {}
 
     def __repr__(self) -> str:
         return f"<Reconciler {self.statistics()}>"
@@ -166,6 +179,9 @@ class Reconciler:
         self._unhealthy_since.clear()
         self._retiring.clear()
         self._unplaced.clear()
+        self._backoff.clear()
+        self._counted.clear()
+        self._started_after.clear()
         self._last_plan = Plan((), ())
         self.poke()
 
@@ -211,18 +227,86 @@ class Reconciler:
         }  # a shard that recovers starts from zero next time
         drain = core.drain_input(shards, self._registry.draining, self._in_flight,
                                  self._retiring.since(), self.drain_timeout_s)  # fmt: skip
-        plan = core.reconcile(
-            desired(self._catalog()), shards, states, self._first_seen, now,
-            pending=pending, drain=drain,
-            unhealthy_since=self._unhealthy_since, unhealthy_replace_s=self.unhealthy_replace_s,
-            guard_held_at=self._guard_held_at, ready_since=ready_since,
-            settle_s=self._settle.settle_s,
-        )  # fmt: skip
+        wanted = desired(self._catalog())
+
+        def reconcile() -> Plan:
+            return core.reconcile(
+                wanted, shards, states, self._first_seen, now,
+                pending=pending, drain=drain,
+                unhealthy_since=self._unhealthy_since,
+                unhealthy_replace_s=self.unhealthy_replace_s,
+                guard_held_at=self._guard_held_at, ready_since=ready_since,
+                settle_s=self._settle.settle_s,
+                backoff=dict(self._backoff), backoff_policy=self.backoff_policy,
+            )  # fmt: skip
+
+        plan = reconcile()
+        if self._note_outcomes(plan, {d.name for d in wanted}, now):
+            plan = reconcile()  # a failure seen in this pass delays its own replacement
         if plan.cut_off:
             self._guard_held_at = now
         retiring = [v.replica_id for v in plan.replicas if v.state == core.ReplicaState.RETIRING]
         self._retiring.note(retiring, now)
         return plan
+
+    def _note_outcomes(self, plan: Plan, models: set[str], now: float) -> bool:
+        """Count each newly failed replica against its model's backoff, and let a model
+        go whose new replica has stayed ready; True when a backoff grew."""
+        grew = False
+        present = {v.replica_id for v in plan.replicas}
+        self._ready_at = {
+            v.replica_id: self._ready_at.get(v.replica_id, now)
+            for v in plan.replicas
+            if v.state == core.ReplicaState.READY
+        }
+        for v in plan.replicas:
+            if v.state in FAILURE_STATES and v.replica_id not in self._counted:
+                self._fail(v.model_name, v.replica_id, v.reason or v.state, now)
+                grew = True
+        ready: dict[str, list[float]] = {}
+        for v in plan.replicas:
+            if v.replica_id in self._ready_at:
+                ready.setdefault(v.model_name, []).append(self._ready_at[v.replica_id])
+        for name, b in list(self._backoff.items()):
+            left = core.backoff_settled(b, ready.get(name, []), now, self.backoff_policy)
+            if left is None or name not in models:
+                if left is None:
+                    log.info("%s: ready again after %d failures", name, b.failures)
+                del self._backoff[name]
+        self._counted &= present | self._failed_starts.keys()
+        keep = present | self._failed_starts.keys() | self._pending.keys()
+        self._started_after = {r: n for r, n in self._started_after.items() if r in keep}
+        return grew
+
+    def _fail(self, model_name: str, replica_id: str, reason: str, now: float) -> None:
+        self._counted.add(replica_id)
+        before = self._backoff.get(model_name)
+        b = core.backoff_failure(before, now, reason, self._started_after.get(replica_id))
+        self._backoff[model_name] = b
+        if before is None or b.failures > before.failures:
+            log.warning(
+                "%s: %s; its next start waits %.0f s",
+                model_name,
+                f"{b.failures} failures in a row" if b.failures > 1 else "a replica failed",
+                b.delay_s(self.backoff_policy),
+            )
+
+    def backoffs(self) -> dict[str, core.Backoff]:
+        """The models whose starts the backoff holds back (`ctl replicas`, the pages): in
+        backoff and short of replicas. One whose replacement is ready is not shown,
+        though its count is kept until that replica has stayed ready a while."""
+        catalog = self._catalog()
+        out = {}
+        for name, b in self._backoff.items():
+            m = catalog.model(name)
+            alive = sum(
+                1
+                for v in self._last_plan.replicas
+                if v.model_name == name and v.state in core.ALIVE_REPLICA_STATES
+            )
+            if m is not None and alive < m.replicas:
+                out[name] = b
+        return out
 
     def retiring(self) -> frozenset[str]:
         """Replicas on draining nodes whose replacement is ready: the router leaves them out."""
@@ -406,6 +490,8 @@ class Reconciler:
         if self._nursery is None:  # not running: nothing can be sent
             return
         self._pending[replica_id] = _Pending(m.name, now, tuple(specs))
+        b = self._backoff.get(m.name)
+        self._started_after[replica_id] = b.failures if b is not None else 0
         self._first_seen[replica_id] = now
         self._nursery.start_soon(self._start, replica_id)
 
@@ -415,11 +501,13 @@ class Reconciler:
         p = self._pending[replica_id]
         started: list[tuple[str, str]] = []
         failure: str | None = None
+        blame = True  # the model's failure, for its backoff; not a node gone or our epoch
         try:
             for node_id, spec in p.ranks:
                 agent = self._registry.agent(node_id)
                 if agent is None:
                     failure = f"node {node_id} went away before rank {spec.rank} was started"
+                    blame = False
                     break
                 try:
                     # Bounded by the handle (llmgw/rpc Deadlines, startShard 10 s).
@@ -427,6 +515,7 @@ class Reconciler:
                 except StaleEpoch as exc:
                     self._registry.stale_epoch(node_id, exc)
                     failure = f"node {node_id} refused epoch {self._registry.epoch} as stale"
+                    blame = False
                     break
                 except DeadlineExceeded as exc:
                     self._unanswered[node_id] = self._clock()
@@ -453,6 +542,8 @@ class Reconciler:
             p.since, False,
             failure,
         )  # fmt: skip
+        if blame:
+            self._fail(p.model_name, replica_id, failure, self._clock())
         for node_id, shard_id in started:
             self._stop_soon(Stop(node_id, shard_id, f"replica {replica_id}: {failure}"))
 
