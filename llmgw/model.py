@@ -318,6 +318,10 @@ class ShardReport:
     ranks: int = 1
     gpus: tuple[str, ...] = ()  # UUIDs of the cards it was given
     source: str | None = None  # its spec's source: a fetch's progress ends with a transition
+    # The shard's own count of reports, from its agent: a later report is higher, so the
+    # control plane keeps the newest whichever way they arrive (a command's reply can be
+    # overtaken by the agent's own later report). 0: not known (an older agent).
+    seq: int = 0
 
 
 @attrs.frozen

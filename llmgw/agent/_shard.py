@@ -66,8 +66,11 @@ class Shard:
     done: trio.Event = attrs.field(factory=trio.Event)
     scope: trio.CancelScope | None = None
     local_source: str | None = None  # what stands for spec.source in the argv (fetched here)
+    reports: int = 0  # how many reports were made: each one's seq
 
     def report(self) -> model.ShardReport:
+        """What the shard is now, numbered: a later report has a higher `seq`."""
+        self.reports += 1
         return model.ShardReport(
             shard_id=self.spec.shard_id,
             model=self.spec.model,
@@ -83,4 +86,5 @@ class Shard:
             ranks=self.spec.ranks,
             gpus=self.spec.gpus,
             source=self.spec.source,
+            seq=self.reports,
         )

@@ -65,7 +65,7 @@ async def test_sidecar_first_then_engine_ready_and_stop_leaves_nothing(tmp_path:
     sup = Supervisor(tmp_path, on_change=seen.append, grace_s=2)
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.run)
-        await sup.start(
+        reply = await sup.start(
             spec(
                 "s1",
                 proc(
@@ -82,6 +82,11 @@ async def test_sidecar_first_then_engine_ready_and_stop_leaves_nothing(tmp_path:
         ready = await wait_state(sup, "s1", "ready")
         assert len(ready.pids) == 2 and all(alive(p) for p in ready.pids)
         assert [r.state for r in seen][:3] == ["starting", "loading", "ready"]
+        # Every report is numbered, later ones higher: the reply to the start is newer
+        # than the report of the same moment, older than what followed it.
+        seqs = [r.seq for r in seen]
+        assert seqs == sorted(set(seqs)) and seqs[0] >= 1, seqs
+        assert seen[0].seq < reply.seq < seen[1].seq, (reply, seen)
         # Each process leads its own group.
         assert all(os.getpgid(p) == p for p in ready.pids)
         stopped = await sup.stop("s1")

@@ -496,3 +496,71 @@ async def test_replicas_failing_on_the_node_back_off_and_a_ready_one_resets_the_
         await run_for(5)
         assert len(tries()) == 7 and tries()[6] - before <= 2, tries()
         nursery.cancel_scope.cancel()
+
+
+# Shard state never goes backwards --------------------------------------------------------
+
+
+class Overtaken(FakeAgent):
+    """Its startShard reply (report 1, starting) is made at once but delivered late: the
+    shard fails first, and the agent's own report of that (report 2) arrives before it."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(node_id)
+        self.session: Any = None
+
+    async def start_shard(self, epoch: int, spec: model.ShardSpec) -> model.ShardReport:
+        self.started.append(spec)
+        reply = report(spec, seq=1)
+        if len(self.started) == 1:
+            failed = report(spec, "failed", reason="source refused: '../x'", seq=2)
+            await self.session.shard_status(failed)
+            await trio.sleep(0.5)  # the reply, delayed past the agent's later report
+        return reply
+
+
+async def test_a_start_reply_overtaken_by_the_agents_report_does_not_overwrite_it(
+    autojump_clock: Any,
+) -> None:
+    registry, reconciler = make(replicas=1, settle_s=0.0)
+    agent = Overtaken("a")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        _, _, agent.session = await register(registry, "a", agent)
+        await nursery.start(reconciler.run)
+        await wait_until("the reply came", lambda: agent.started and not
+                         reconciler.statistics()["pending"], timeout=5)  # fmt: skip
+        first = agent.started[0].shard_id
+        rec = registry.record("a")
+        assert rec is not None
+        # The failure stands (or the shard is already stopped and gone): never `starting`.
+        held = [s for s in rec.shards if s.shard_id == first]
+        assert [(s.state, s.seq) for s in held] in ([("failed", 2)], []), held
+        # So it is replaced at once, not left `starting` until its startup timeout.
+        await wait_until("replaced", lambda: len(agent.started) == 2, timeout=5)
+        nursery.cancel_scope.cancel()
+
+
+async def test_reports_keep_the_newest_and_a_removed_shard_stays_removed() -> None:
+    registry, _ = make(replicas=0)
+    _, _, session = await register(registry, "a")
+    spec = model.ShardSpec(shard_id="s1", model="m", engine="llama-server", processes=(), port=9000)
+    registry.note_shard("a", report(spec, "ready", seq=3))
+    registry.note_shard("a", report(spec, "starting", seq=2))  # older: dropped
+    rec = registry.record("a")
+    assert rec is not None
+    assert [(s.state, s.seq) for s in rec.shards] == [("ready", 3)]
+    await session.shard_status(report(spec, "unhealthy", seq=4))
+    assert [(s.state, s.seq) for s in rec.shards] == [("unhealthy", 4)]
+    # An older agent sends no seq (0): every report is applied, as before.
+    registry.note_shard("a", report(spec, "ready"))
+    assert [(s.state, s.seq) for s in rec.shards] == [("ready", 0)]
+    await session.shard_status(report(spec, "ready", seq=5))
+    registry.forget_shard("a", "s1")
+    registry.note_shard("a", report(spec, "starting", seq=1))  # a late reply: still gone
+    assert rec.shards == ()
+    await session.shard_status(report(spec, "loading", seq=6))  # newer: it is back
+    assert [(s.state, s.seq) for s in rec.shards] == [("loading", 6)]
+    await session.shard_status(report(spec, "stopped", seq=7))
+    await session.shard_status(report(spec, "ready", seq=6))
+    assert rec.shards == ()

@@ -20,6 +20,8 @@ from llmgw.rpc import AgentHandle, PeerInfo
 
 log = logging.getLogger("llmgw.cp.registry")  # the registry's component
 
+REMOVED_KEPT = 1024  # removed shards whose last seq a node's record remembers
+
 
 @attrs.define
 class NodeRecord:
@@ -34,6 +36,23 @@ class NodeRecord:
     last_seen_wall: float
     registered_at: float = 0.0  # clock value of this registration
     conn_id: int | None = None  # the RPC connection, closed when this control plane steps down
+    # Shards no longer held, by id: the seq of their last report, so a report older than
+    # it (a command's reply overtaken by the removal) does not bring one back. Bounded.
+    removed: dict[str, int] = attrs.field(factory=dict)
+
+    def newest_seq(self, shard_id: str) -> int:
+        """The seq of the newest report of the shard this record has seen (0: none)."""
+        held = next((s for s in self.shards if s.shard_id == shard_id), None)
+        return held.seq if held is not None else self.removed.get(shard_id, 0)
+
+    def remove_shard(self, shard_id: str) -> None:
+        seq = self.newest_seq(shard_id)
+        self.shards = tuple(s for s in self.shards if s.shard_id != shard_id)
+        if seq:
+            self.removed.pop(shard_id, None)
+            self.removed[shard_id] = seq
+            while len(self.removed) > REMOVED_KEPT:
+                del self.removed[next(iter(self.removed))]
 
     @property
     def host(self) -> str:

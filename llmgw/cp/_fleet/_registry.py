@@ -414,11 +414,19 @@ class NodeRegistry:
         rec = self._current(node_id, generation)
         if rec is None:
             return
+        newest = rec.newest_seq(shard.shard_id)
+        if shard.seq and shard.seq < newest:
+            # Older than what is held: a command's reply that the agent's own later
+            # report overtook. State never goes backwards.
+            log.debug("node %s: shard %s report %d (%s) is older than %d: dropped",
+                      node_id, shard.shard_id, shard.seq, shard.state, newest)  # fmt: skip
+            return
         self.events.shard_report(node_id, shard)
         if shard.source is not None and shard.state != model.ShardState.STARTING:
             self._progress.end(node_id, shard.source)  # the fetch's news ends with it
-        others = tuple(s for s in rec.shards if s.shard_id != shard.shard_id)
-        rec.shards = others if shard.state == model.ShardState.STOPPED else (*others, shard)
+        rec.shards = (*(s for s in rec.shards if s.shard_id != shard.shard_id), shard)
+        if shard.state == model.ShardState.STOPPED:
+            rec.remove_shard(shard.shard_id)  # gone, its seq remembered
         self._changed()
 
     def on_progress(self, node_id: str, generation: int, msg: model.Progress) -> None:
@@ -476,5 +484,5 @@ class NodeRegistry:
     def forget_shard(self, node_id: str, shard_id: str) -> None:
         rec = self._nodes.get(node_id)
         if rec is not None:
-            rec.shards = tuple(s for s in rec.shards if s.shard_id != shard_id)
+            rec.remove_shard(shard_id)
             self._changed()
