@@ -25,7 +25,9 @@ manifest lists the files).
 - **Errors** are `FetchError`, one line naming the URL or the file: an HTTP
   status, a hash mismatch (the partial is removed), disk full (the partial is
   removed: it holds the space the node needs), permission denied, a manifest
-  `check_manifest` refuses (before anything is written), a connection refused
+  `check_manifest` refuses (before anything is written), a version whose
+  manifest says more than the weights disk has free (before its first byte; what
+  is already there counts), a connection refused
   or broken, no answer within the connect or read deadline, a body longer
   than the manifest says (cut at the size, the partial removed).
 - A sha256 is checked by reading the finished partial once more (in a thread)
@@ -68,7 +70,15 @@ import h11
 import trio
 
 from llmgw.agent.discovery import complete_entry
-from llmgw.core import MARKER, PARTIAL_SUFFIX, Manifest, ManifestError, cache_name, check_manifest
+from llmgw.core import (
+    MARKER,
+    PARTIAL_SUFFIX,
+    Manifest,
+    ManifestError,
+    bytes_text,
+    cache_name,
+    check_manifest,
+)
 from llmgw.errors import LlmgwError
 from llmgw.web.h1 import (
     RECEIVE_BYTES,
@@ -286,6 +296,9 @@ class Fetcher:
             manifest = await self._manifest(url, context)
             files = [(f.name, f.size_bytes, f.sha256) for f in manifest.files]
             meter.total, meter.per_file = manifest.total_bytes, False
+            # Before the first byte: a version the disk cannot hold is refused now, not
+            # after it has filled the disk (what is already here, whole or partial, counts).
+            await _os(url, _check_room, self.weights_dir, directory, files, url)
         else:
             files = [(base, None, None)]
         await _os(url, _mkdir, directory)
@@ -692,6 +705,26 @@ async def _os(url: str, fn: Callable[..., _T], *args: Any) -> _T:
         else:
             what = exc.strerror or type(exc).__name__
         raise FetchError(f"{where}: {what} (fetching {url})") from exc
+
+
+def _check_room(
+    weights_dir: Path, directory: Path, files: list[tuple[str, int | None, str | None]], url: str
+) -> None:
+    """FetchError when the files still to fetch are more than the disk has free."""
+    here = 0
+    for name, size, _ in files:
+        for path in (directory / name, directory / (name + PARTIAL_SUFFIX)):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                here += min(path.stat().st_size, size or 0)
+                break
+    needed = sum(size or 0 for _, size, _ in files) - here
+    st = os.statvfs(weights_dir)
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        raise FetchError(
+            f"{url}: needs {bytes_text(needed)} more in {weights_dir}, which has "
+            f"{bytes_text(free)} free; nothing was fetched"
+        )
 
 
 def _complete(directory: Path) -> list[str] | None:

@@ -78,6 +78,7 @@ from llmgw.core._shard import RUNNING as RUNNING_SHARD_STATES
 from llmgw.core._shard import HealthRun, ShardEvent
 from llmgw.core._shard import InvalidTransition as InvalidShardTransition
 from llmgw.core._shard import next_state as next_shard_state
+from llmgw.core._units import bytes_text
 from llmgw.core._weights import (
     MARKER,
     PARTIAL_SUFFIX,
@@ -181,6 +182,7 @@ __all__ = [
     "attempt_verdict",
     "backoff_failure",
     "backoff_settled",
+    "bytes_text",
     "cache_name",
     "chain",
     "check_manifest",

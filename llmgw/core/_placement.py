@@ -18,10 +18,10 @@ Filters (a node must pass them all; `None` is unknown and never excludes):
 | 4     | the engine (engines None: allowed)    | `engine vllm not installed`, or the      |
 |       |                                       | node's words: `installing: downloading   |
 |       |                                       | llama-b6123-....tar.gz (16 MB)`          |
-| 5     | min_memory_gb of memory (None: ok)    | `has 8 GB of memory, needs 24`           |
-| 6     | disk for the weights unless held      | `has 10 GB free on /w, needs 16` (the    |
+| 5     | min_memory_gb of memory (None: ok)    | `has 8 GB of memory, needs 24 GB`        |
+| 6     | disk for the weights unless held      | `has 10 GB free on /w, needs 16 GB` (the |
 |       | (disk None: ok)                       | weights dir; unknown: `10 GB free for    |
-|       |                                       | weights, needs 16`)                      |
+|       |                                       | weights, needs 16 GB`)                   |
 | 7     | GPU profile: enough free healthy      | `2 free healthy h100-80g cards, needs 4` |
 |       | cards of the class                    | `(6 in use, 1 unhealthy)`                |
 | 8     | group over nodes: an ACTIVE port on   | `no ACTIVE port on ib-b`,                |
@@ -853,7 +853,7 @@ def _static_reason(node: _Node, p: PlacementProfile) -> _Group | None:
         and f.memory_total_bytes < p.min_memory_gb * GIB
     ):
         has = math.floor(f.memory_total_bytes / GIB * 10) / 10
-        return 5, f"has {_num(has)} GB of memory, needs {_num(p.min_memory_gb)}"
+        return 5, f"has {_num(has)} GB of memory, needs {_num(p.min_memory_gb)} GB"
     if (
         p.weights_bytes is not None
         and p.model not in f.weights
@@ -863,8 +863,8 @@ def _static_reason(node: _Node, p: PlacementProfile) -> _Group | None:
         has = math.floor(f.disk_free_bytes / GIB * 10) / 10
         needs = math.ceil(p.weights_bytes / GIB * 10) / 10
         if f.weights_dir is not None:
-            return 6, f"has {_num(has)} GB free on {f.weights_dir}, needs {_num(needs)}"
-        return 6, f"{_num(has)} GB free for weights, needs {_num(needs)}"
+            return 6, f"has {_num(has)} GB free on {f.weights_dir}, needs {_num(needs)} GB"
+        return 6, f"{_num(has)} GB free for weights, needs {_num(needs)} GB"
     return None
 
 

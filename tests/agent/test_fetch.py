@@ -513,6 +513,30 @@ async def test_hostile_manifests_are_refused_before_anything_is_written(tmp_path
         nursery.cancel_scope.cancel()
 
 
+async def test_a_version_bigger_than_the_disk_is_refused_before_its_first_byte(
+    tmp_path: Path,
+) -> None:
+    pib = 1 << 50
+    manifest = json.dumps({"files": [{"name": "a.safetensors", "size": pib}]}).encode()
+    server = RawServer({"/v/": (200, {}, manifest), "/v/a.safetensors": (200, {}, b"x" * 64)})
+    async with trio.open_nursery() as nursery:
+        port = await server.start(nursery)
+        weights = tmp_path / "w"
+        fetcher = await start_fetcher(nursery, weights)
+        url = f"http://127.0.0.1:{port}/v/"
+        with pytest.raises(FetchError) as info:
+            await fetcher.fetch(url, "version")
+        message = str(info.value)
+        assert re.fullmatch(
+            rf"{re.escape(url)}: needs 1\.0 PiB more in {re.escape(str(weights))}, which has "
+            r"[0-9.]+ [KMGT]iB free; nothing was fetched",
+            message,
+        ), message
+        assert [t for t, _ in server.requests] == ["/v/"]  # the manifest, no byte of the file
+        assert os.listdir(weights) == []
+        nursery.cancel_scope.cancel()
+
+
 async def test_hash_mismatch_removes_the_partial(tmp_path: Path) -> None:
     body = blob(100_000, 11)
     manifest = json.dumps({"files": [{"name": "a.bin", "size": len(body), "sha256": "0" * 64}]})

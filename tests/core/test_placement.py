@@ -230,8 +230,8 @@ def test_a_refusal_names_what_each_node_lacks() -> None:
     assert str(result) == "\n".join(
         [
             "node05: 2 free healthy h100-80g cards, needs 4 (6 in use)",
-            "node07: 10 GB free for weights, needs 16",
-            "node01: has 8 GB of memory, needs 24",
+            "node07: 10 GB free for weights, needs 16 GB",
+            "node01: has 8 GB of memory, needs 24 GB",
             "node02: engine vllm not installed",
             "node08: GPUs unknown",
             "node09: has no h100-80g cards",
@@ -251,10 +251,10 @@ def test_a_large_fleet_is_summarised() -> None:
     assert isinstance(result, Refusal)
     assert len(result.reasons) == 21
     assert result.reasons[:2] == (
-        "mem00: has 0 GB of memory, needs 64",
-        "mem01: has 1 GB of memory, needs 64",
+        "mem00: has 0 GB of memory, needs 64 GB",
+        "mem01: has 1 GB of memory, needs 64 GB",
     )
-    assert result.reasons[19] == "mem19: has 19 GB of memory, needs 64"
+    assert result.reasons[19] == "mem19: has 19 GB of memory, needs 64 GB"
     # The cordoned line (one line for 100 nodes) is among the 10 lines left off.
     assert result.reasons[20] == "... and 110 more nodes"
     assert str(place(fleet[:100], profile(1))) == "node000, node001, node002 and 97 more: cordoned"
@@ -265,15 +265,15 @@ def test_memory_and_disk_are_never_shown_as_enough_when_short() -> None:
     node = gpu_node("node01", memory_total_bytes=24 * GIB - 1, disk_free_bytes=16 * GIB - 1)
     assert (
         str(place([node], profile(1, min_memory_gb=24)))
-        == "node01: has 23.9 GB of memory, needs 24"
+        == "node01: has 23.9 GB of memory, needs 24 GB"
     )
     assert str(place([node], profile(1, weights_bytes=16 * GIB))) == (
-        "node01: 15.9 GB free for weights, needs 16"
+        "node01: 15.9 GB free for weights, needs 16 GB"
     )
     # 15.95 free, 15.96 needed: rounded the same way both would read 16.
     node = gpu_node("node01", disk_free_bytes=int(15.95 * GIB))
     assert str(place([node], profile(1, weights_bytes=int(15.96 * GIB)))) == (
-        "node01: 15.9 GB free for weights, needs 16"
+        "node01: 15.9 GB free for weights, needs 16 GB"
     )
 
 
@@ -283,8 +283,8 @@ def test_a_disk_refusal_names_the_weights_dir_when_the_node_said_it() -> None:
     refused = place([short, unsaid], profile(1, weights_bytes=15 * GIB))
     assert isinstance(refused, Refusal)
     assert refused.reasons == (
-        "node01: has 12 GB free on /var/lib/llmgw-weights, needs 15",
-        "node02: 12 GB free for weights, needs 15",
+        "node01: has 12 GB free on /var/lib/llmgw-weights, needs 15 GB",
+        "node02: 12 GB free for weights, needs 15 GB",
     )
     # The holder is not refused, whatever its disk; and it is preferred to one with room.
     holder = attrs.evolve(short, weights=frozenset({"llama-70b"}))

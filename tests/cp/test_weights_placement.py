@@ -166,7 +166,7 @@ async def test_the_reconciler_refuses_short_disks_and_places_on_the_holder() -> 
     sizes[MIRROR] = 15 * GIB
     assert reconciler.try_place(m) == Unplaced(
         "big",
-        ("a: has 12 GB free on /a/w, needs 15", "b: has 12 GB free on /b/w, needs 15"),
+        ("a: has 12 GB free on /a/w, needs 15 GB", "b: has 12 GB free on /b/w, needs 15 GB"),
     )
     # b holds it (a complete cache entry): placed there, despite its disk.
     filesystems = (fs("/", ("/b/w",), 12),)
@@ -231,7 +231,7 @@ async def test_nothing_is_started_before_its_size_is_measured(tmp_path: Path) ->
             while not reconciler.unplaced():
                 await trio.sleep(0.05)
         assert reconciler.unplaced() == [
-            Unplaced("big", ("a: has 12 GB free on /a/w, needs 8192",))
+            Unplaced("big", ("a: has 12 GB free on /a/w, needs 8192 GB",))
         ]
         assert agent.started == []
         nursery.cancel_scope.cancel()
@@ -304,7 +304,7 @@ def test_placement_refuses_a_short_disk_and_places_on_the_holder(
         unplaced = [r for r in rows(cluster) if r["state"] == "unplaced"]
         lines = unplaced[0]["reason"].splitlines() if unplaced else []
         shapes = [
-            re.compile(rf"{n}: has \d+(\.\d)? GB free on {re.escape(d)}, needs 8192")
+            re.compile(rf"{n}: has \d+(\.\d)? GB free on {re.escape(d)}, needs 8192 GB")
             for n, d in dirs.items()
         ]
         ok = len(lines) == 2 and all(s.fullmatch(x) for s, x in zip(shapes, lines, strict=True))

@@ -10,6 +10,7 @@ from typing import Any
 
 import cattrs
 
+from llmgw.core import bytes_text
 from llmgw.model import Filesystem, Gpu, Inventory
 
 _converter = cattrs.Converter()
@@ -31,14 +32,7 @@ def _v(value: object, unit: str = "") -> str:
 
 
 def _bytes(n: int | None) -> str:
-    if n is None:
-        return _DASH
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+    return _DASH if n is None else bytes_text(n)
 
 
 def _gpu_line(g: Gpu) -> str:

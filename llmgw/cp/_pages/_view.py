@@ -14,19 +14,14 @@ from typing import Any
 
 import attrs
 
+from llmgw.core import bytes_text
+
 DASH = "—"
 MIB = 1 << 20
 
 
 def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return DASH
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    return DASH if n is None else bytes_text(n)
 
 
 def fmt_num(x: float | None, digits: int = 1) -> str:
