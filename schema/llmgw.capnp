@@ -183,6 +183,7 @@ struct ShardReport {
   ranks @11 :Int64;
   gpus @12 :List(Text);        # UUIDs
   source @13 :Text;            # the spec's source; null: none
+  seq @14 :Int64;              # the shard's report count on its agent: newer is higher; 0: unknown
 }
 
 struct Hello {

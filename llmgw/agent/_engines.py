@@ -330,16 +330,23 @@ class Installer:
         partial = final.with_name(final.name + ".partial")
         self._status(decl.name, "installing", f"unpacking {_base_name(archive.url)}", decl.version)
         try:
-            await trio.to_thread.run_sync(self._unpack, path, partial)
-        except _extract.ExtractError as exc:
-            raise InstallError(f"{_base_name(archive.url)}: {exc}") from None
-        binary = await trio.to_thread.run_sync(find_binary, partial)
-        if binary is None:
-            raise InstallError(
-                f"{_base_name(archive.url)}: no executable file named llama-server in the archive"
-            )
-        rel = binary.relative_to(partial)
-        await self._prove_binary(decl, binary, where)
+            try:
+                await trio.to_thread.run_sync(self._unpack, path, partial)
+            except _extract.ExtractError as exc:
+                raise InstallError(f"{_base_name(archive.url)}: {exc}") from None
+            binary = await trio.to_thread.run_sync(find_binary, partial)
+            if binary is None:
+                raise InstallError(
+                    f"{_base_name(archive.url)}: no executable file named llama-server "
+                    "in the archive"
+                )
+            rel = binary.relative_to(partial)
+            await self._prove_binary(decl, binary, where)
+        except BaseException:
+            # A version refused (or a pass cancelled) leaves no half-made directory behind.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(rmtree, partial)
+            raise
 
         def finish() -> None:
             rmtree(final)  # an unmarked leftover of an earlier pass
