@@ -171,6 +171,11 @@ class Weights:
     # The agent's weights directory (resolved), where fetched sources live under
     # their cache names (llmgw.core.cache_name); None: an agent that fetches nothing.
     dir: str | None = None
+    # Cache entries under `dir` not complete (a download under way, or one given up):
+    # each its directory and the bytes in it when the list was made (a list is sent
+    # when an entry appears or goes, not as it grows). None: not reported (no `dir`,
+    # or an agent older than the field).
+    unfinished: tuple[WeightFile, ...] | None = None
 
 
 @attrs.frozen

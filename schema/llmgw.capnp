@@ -89,6 +89,7 @@ struct Weights {
   fingerprint @0 :Text;
   files @1 :List(WeightFile);
   dir @2 :Text;                # the weights directory; null: the agent fetches nothing
+  unfinished @3 :List(WeightFile);  # cache entries not complete; null: not reported
 }
 
 struct Engine {

@@ -131,6 +131,10 @@ def format_weights(nodes: list[dict[str, Any]]) -> str:
                 wanted = ", ".join(h["wanted_by"]) or "not wanted"
                 rows.append((name, what + files, gb(h["size_bytes"]), wanted))
             out += _table(("HELD", "KIND", "SIZE", "WANTED BY"), rows, "  ")
+        for u in n.get("unfinished") or ():
+            name = _shown(u["path"], n.get("weights_dir"))
+            wanted = ", ".join(u["wanted_by"]) or "not wanted"
+            out.append(f"  unfinished: {name}/ ({gb(u['size_bytes'])} so far), wanted by: {wanted}")
         reclaim = n["reclaimable"]
         if reclaim:
             names = ", ".join(_shown(r["path"], n.get("weights_dir")) for r in reclaim)

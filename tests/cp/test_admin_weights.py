@@ -8,6 +8,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import attrs
 import trio
 from helpers import FakeAgent, register
 from helpers import asgi_call as asgi
@@ -19,6 +20,7 @@ from llmgw.cp._admin import AdminApp
 from llmgw.cp._fleet._catalog import Catalog, CatalogModel
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.cp._weights import _holdings
+from llmgw.ctl._weights import format_weights
 from llmgw.errors import DeadlineExceeded
 
 WD = "/var/lib/llmgw-weights"
@@ -263,6 +265,36 @@ async def test_collect_asks_each_node_and_one_failure_is_that_nodes() -> None:
     status, data = await asgi(app, "POST", "/api/v1/weights/collect", {"node": "a"})
     assert status == 200
     assert data["nodes"][0]["error"] == "node a is ready: not connected"
+
+
+async def test_unfinished_downloads_are_listed_and_those_no_model_wants_collected() -> None:
+    registry = NodeRegistry(core.LivenessPolicy(), clock=lambda: 1.0, wall=lambda: 2.0)
+    gone_for = f"{WD}/{OLD_CACHE}"  # the download of a source the catalog no longer names
+    fetching = f"{WD}/{QWEN_CACHE}"  # qwen's, under way
+    inventory = attrs.evolve(
+        _inventory([]),
+        weights=model.Weights("fp", (), dir=WD, unfinished=(
+            model.WeightFile(gone_for, 40), model.WeightFile(fetching, 900))),
+    )  # fmt: skip
+    a = ReclaimingAgent("a", {gone_for: 40})
+    await register(registry, "a", inventory=inventory, agent=a)
+    await register(registry, "b", inventory=_inventory([]))  # an older agent: not reported
+    app = AdminApp(registry, "key", catalog=_catalog(("qwen", QWEN)))  # type: ignore[arg-type]
+    status, data = await asgi(app, "GET", "/api/v1/weights")
+    assert status == 200
+    row, old = data["nodes"]
+    assert [(u["path"], u["size_bytes"], u["wanted_by"]) for u in row["unfinished"]] == [
+        (gone_for, 40, []),
+        (fetching, 900, ["qwen"]),
+    ]
+    assert row["reclaimable"] == [{"path": gone_for, "size_bytes": 40}]
+    assert old["unfinished"] is None
+    text = format_weights(data["nodes"])
+    assert f"  unfinished: {OLD_CACHE}/ (40 B so far), wanted by: not wanted" in text
+    assert f"  unfinished: {QWEN_CACHE}/ (900 B so far), wanted by: qwen" in text
+    status, data = await asgi(app, "POST", "/api/v1/weights/collect", {})
+    assert status == 200 and a.asked == [(registry.epoch, (gone_for,), False)]
+    assert data["nodes"][0]["removed"] == [gone_for]
 
 
 async def test_collect_refuses_bad_bodies_in_one_line() -> None:

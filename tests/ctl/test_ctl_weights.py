@@ -146,6 +146,10 @@ def test_ctl_weights_lists_and_collect_removes_only_what_is_unwanted(
     weights = Path(os.path.realpath(cluster.root / "n1-weights"))
     gone = _entry(weights, "mirror:/gone.gguf", "gone.gguf", b"GGUF" + b"\0" * 996)
     kept = _entry(weights, WANTED, "wanted.gguf", b"GGUF" + b"\1" * 96)
+    # A download of a source no model names any more, never finished: no marker.
+    half = weights / cache_name("mirror:/half.gguf")
+    half.mkdir()
+    (half / "half.gguf.partial").write_bytes(b"GGUF" + b"\2" * 296)
     (weights / "mine.gguf").write_bytes(b"GGUF mine")  # an operator's file
     elsewhere = cluster.root / "elsewhere"
     elsewhere.mkdir()
@@ -162,21 +166,28 @@ def test_ctl_weights_lists_and_collect_removes_only_what_is_unwanted(
         str(weights / "mine.gguf"): ("file", 9, []),
         str(weights / "link.gguf"): ("file", 11, []),
     }
-    assert view["reclaimable"] == [{"path": str(gone), "size_bytes": 1000}]
+    assert view["unfinished"] == [
+        {"path": str(half), "kind": "cache", "size_bytes": 300, "files": 0, "wanted_by": []}
+    ]
+    assert sorted(view["reclaimable"], key=lambda r: r["size_bytes"]) == [
+        {"path": str(half), "size_bytes": 300},
+        {"path": str(gone), "size_bytes": 1000},
+    ]
     text = cluster.ctl("weights").stdout
     assert f"n1: {weights}" in text
     assert f"{gone.name}/" in text and "not wanted" in text and "wanted" in text
-    assert f"would reclaim 1 entry (1.0 kB): {gone.name}" in text
+    assert f"  unfinished: {half.name}/ (300 B so far), wanted by: not wanted" in text
+    assert "would reclaim 2 entries (1.3 kB): " in text and half.name in text
 
     dry = cluster.ctl("weights", "--collect", "--dry-run")
     assert dry.stdout.splitlines()[0] == (
-        "asked to remove 1 file (1.0 kB) (dry run); would remove 1 (1.0 kB)"
+        "asked to remove 2 files (1.3 kB) (dry run); would remove 2 (1.3 kB)"
     )
-    assert gone.is_dir()
+    assert gone.is_dir() and half.is_dir()
 
     done = cluster.ctl("weights", "--collect")
-    assert done.stdout.splitlines() == ["asked to remove 1 file (1.0 kB); removed 1 (1.0 kB)"]
-    assert not gone.exists()
+    assert done.stdout.splitlines() == ["asked to remove 2 files (1.3 kB); removed 2 (1.3 kB)"]
+    assert not gone.exists() and not half.exists()
     assert (kept / "wanted.gguf").is_file() and (weights / "mine.gguf").is_file()
     assert (weights / "link.gguf").is_symlink() and (elsewhere / "target.gguf").is_file()
     # The agent rescans: the next report no longer holds it.

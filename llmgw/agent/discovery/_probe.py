@@ -12,6 +12,7 @@ placement needs it even when every other probe breaks.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -499,24 +500,35 @@ def scan_weights(dirs: Iterable[str | Path], *, weights_dir: str | Path | None =
     completion marker is valid (see `complete_entry`), and then only the files
     the marker names, never the marker, a partial or an ETag beside one; any
     other entry (an operator's own) is scanned like a model directory.
-    `Weights.dir` is that real path.
+    `Weights.dir` is that real path. A cache entry not complete is listed in
+    `Weights.unfinished` with the bytes in it; the fingerprint counts its path,
+    not its size, so a download that grows sends no new list.
     """
     files: dict[str, int] = {}
     for d in dirs:
         _walk_into(files, str(d))
     real: str | None = None
+    unfinished: dict[str, int] | None = None
     if weights_dir is not None:
         real = os.path.realpath(weights_dir)
-        _scan_weights_dir(files, real)
+        unfinished = {}
+        _scan_weights_dir(files, real, unfinished)
     digest = hashlib.sha256()
     for path, size in sorted(files.items()):
         digest.update(f"{path}\0{size}\n".encode(errors="surrogateescape"))
     if real is not None:
         digest.update(f"dir\0{real}\n".encode(errors="surrogateescape"))
+    for path in sorted(unfinished or ()):
+        digest.update(f"unfinished\0{path}\n".encode(errors="surrogateescape"))
     return Weights(
         fingerprint=digest.hexdigest(),
         files=tuple(WeightFile(p, s) for p, s in sorted(files.items())),
         dir=real,
+        unfinished=(
+            None
+            if unfinished is None
+            else tuple(WeightFile(p, s) for p, s in sorted(unfinished.items()))
+        ),
     )
 
 
@@ -539,7 +551,7 @@ def _add_file(files: dict[str, int], path: str) -> None:
         files[path] = st.st_size
 
 
-def _scan_weights_dir(files: dict[str, int], real: str) -> None:
+def _scan_weights_dir(files: dict[str, int], real: str, unfinished: dict[str, int]) -> None:
     try:
         names = sorted(os.listdir(real))
     except FileNotFoundError:
@@ -552,13 +564,32 @@ def _scan_weights_dir(files: dict[str, int], real: str) -> None:
         if is_cache_name(name):
             if os.path.islink(path):
                 continue  # a cache entry is a directory the fetcher made, never a link
-            for file_name, size in complete_entry(Path(path)) or ():
+            entry = complete_entry(Path(path))
+            if entry is None:
+                if os.path.isdir(path):
+                    unfinished[path] = _bytes_in(path)
+                continue
+            for file_name, size in entry:
                 files[os.path.join(path, file_name)] = size
         elif os.path.isdir(path):
             if not _is_partial(name):
                 _walk_into(files, path)
         elif not _is_partial(name):
             _add_file(files, path)
+
+
+def _bytes_in(directory: str) -> int:
+    """The bytes of the regular files directly in a cache entry (the fetcher nests none)."""
+    total = 0
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                with contextlib.suppress(OSError):
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass  # gone or unreadable while we looked: what was counted
+    return total
 
 
 def complete_entry(directory: Path) -> list[tuple[str, int]] | None:

@@ -63,6 +63,10 @@ class Weights:
                     "reported": w.reported,
                     "weights_dir": w.weights_dir,
                     "held": [_held_json(h) for h in w.held],
+                    # null: not reported (an agent older than the list).
+                    "unfinished": (
+                        None if w.unfinished is None else [_held_json(h) for h in w.unfinished]
+                    ),
                     "reclaimable": [
                         {"path": r.path, "size_bytes": r.size_bytes} for r in w.reclaimable
                     ],

@@ -41,6 +41,8 @@ class NodeWeights:
     reported: bool  # False: the node has sent no list of its weights
     held: tuple[Held, ...] = ()
     reclaimable: tuple[core.Reclaimable, ...] = ()  # cache entries no catalog model wants
+    # Cache entries not complete (a download under way, or given up); None: not reported.
+    unfinished: tuple[Held, ...] | None = None
 
 
 def _normal(path: str) -> str | None:
@@ -133,15 +135,30 @@ def node_weights(
         held.append(
             Held(entry, kind, sum(f.size_bytes for f in files), len(files), tuple(sorted(wanted)))
         )
+    unfinished: tuple[Held, ...] | None = None
+    if weights.unfinished is not None:
+        unfinished = tuple(
+            Held(
+                path,
+                "cache",
+                f.size_bytes,
+                0,
+                tuple(sorted(fetched.get(posixpath.basename(path), ()))),
+            )
+            for f in weights.unfinished
+            if (path := _normal(f.path)) is not None
+        )
     reclaimable: tuple[core.Reclaimable, ...] = ()
     if base is not None:
         keep = core.wanted_cache_names([src for _n, src in models], weights_dir=base)
+        # An unfinished entry goes too when no catalog model wants it; the agent
+        # decides again and keeps one it is fetching now.
         reclaimable = tuple(
             core.Reclaimable(h.path, h.size_bytes)
-            for h in held
+            for h in (*held, *(unfinished or ()))
             if h.kind == "cache" and h.name not in keep
         )
-    return NodeWeights(node_id, base, True, tuple(held), reclaimable)
+    return NodeWeights(node_id, base, True, tuple(held), reclaimable, unfinished)
 
 
 WANTED = "still wanted by the catalog"  # as llmgw.core's reclaim reason reads

@@ -395,6 +395,34 @@ def test_weights_skip_partial_and_empty_and_fingerprint_changes(tmp_path: Path) 
     assert empty.files == () and empty.fingerprint != w.fingerprint
 
 
+def test_unfinished_cache_entries_are_listed_with_their_bytes(tmp_path: Path) -> None:
+    from llmgw.core import MARKER, cache_name
+
+    wd = tmp_path / "w"
+    going, given_up = wd / cache_name("mirror:/a/"), wd / cache_name("mirror:/b.gguf")
+    going.mkdir(parents=True)
+    (going / "m.safetensors.partial").write_bytes(b"x" * 30)
+    (going / "m.safetensors.partial.etag").write_bytes(b'"e"')
+    given_up.mkdir()  # an empty leftover
+    done = wd / cache_name("mirror:/c.gguf")
+    done.mkdir()
+    (done / "c.gguf").write_bytes(b"c" * 5)
+    (done / MARKER).write_text('{"files": [{"name": "c.gguf", "size": 5}]}')
+    w = scan_weights([], weights_dir=wd)
+    assert [(f.path, f.size_bytes) for f in w.files] == [(str(done / "c.gguf"), 5)]
+    assert w.unfinished is not None
+    assert sorted((f.path, f.size_bytes) for f in w.unfinished) == sorted(
+        [(str(going), 33), (str(given_up), 0)]
+    )
+    # The list is sent again when an entry appears or goes, not as one grows.
+    (going / "m.safetensors.partial").write_bytes(b"x" * 60)
+    assert scan_weights([], weights_dir=wd).fingerprint == w.fingerprint
+    given_up.rmdir()
+    assert scan_weights([], weights_dir=wd).fingerprint != w.fingerprint
+    # No weights directory: nothing to say (None), not "none" (()).
+    assert scan_weights([tmp_path]).unfinished is None
+
+
 def test_engines_configured_never_run_and_never_from_path(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
