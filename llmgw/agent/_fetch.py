@@ -26,8 +26,8 @@ manifest lists the files).
   status, a hash mismatch (the partial is removed), disk full (the partial is
   removed: it holds the space the node needs), permission denied, a manifest
   `check_manifest` refuses (before anything is written), a version whose
-  manifest says more than the weights disk has free (before its first byte; what
-  is already there counts), a connection refused
+  manifest, or a file whose Content-Length, says more than the weights disk has
+  free (before its first byte; what is already there counts), a connection refused
   or broken, no answer within the connect or read deadline, a body longer
   than the manifest says (cut at the size, the partial removed).
 - A sha256 is checked by reading the finished partial once more (in a thread)
@@ -404,6 +404,9 @@ class Fetcher:
                 raise FetchError(await _status_error(url, response))
             if size is not None and total is not None and total != size:
                 raise FetchError(f"{url}: the server has {total} bytes, the manifest says {size}")
+            if meter.per_file and total is not None:
+                # A file source: its length is known from the head, before its first byte.
+                await _os(url, _room_for, self.weights_dir, total - offset, url, partial.parent)
             if meter.per_file:
                 meter.total = total
             await _os(url, _write_tag, tag_path, their_tag)
@@ -717,10 +720,18 @@ def _check_room(
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 here += min(path.stat().st_size, size or 0)
                 break
-    needed = sum(size or 0 for _, size, _ in files) - here
+    _room_for(weights_dir, sum(size or 0 for _, size, _ in files) - here, url)
+
+
+def _room_for(weights_dir: Path, needed: int, url: str, empty: Path | None = None) -> None:
+    """FetchError when `needed` bytes are more than the disk has free; `empty`, the entry
+    made for the fetch, is removed with the refusal when nothing is in it."""
     st = os.statvfs(weights_dir)
     free = st.f_bavail * st.f_frsize
     if needed > free:
+        if empty is not None:
+            with contextlib.suppress(OSError):
+                empty.rmdir()  # only when empty: a partial from before stays
         raise FetchError(
             f"{url}: needs {bytes_text(needed)} more in {weights_dir}, which has "
             f"{bytes_text(free)} free; nothing was fetched"

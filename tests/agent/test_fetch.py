@@ -537,6 +537,25 @@ async def test_a_version_bigger_than_the_disk_is_refused_before_its_first_byte(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_file_bigger_than_the_disk_is_refused_from_its_content_length(
+    tmp_path: Path,
+) -> None:
+    tib = 1 << 40
+    server = RawServer({"/big.gguf": (200, {"content-length": str(tib)}, b"")}, no_length=True)
+    async with trio.open_nursery() as nursery:
+        port = await server.start(nursery)
+        weights = tmp_path / "w"
+        fetcher = await start_fetcher(nursery, weights)
+        url = f"http://127.0.0.1:{port}/big.gguf"
+        with pytest.raises(FetchError) as info:
+            await fetcher.fetch(url, "file")
+        message = str(info.value)
+        assert message.startswith(f"{url}: needs 1.0 TiB more in {weights}, which has "), message
+        assert message.endswith(" free; nothing was fetched"), message
+        assert os.listdir(weights) == []  # not even the entry's empty directory
+        nursery.cancel_scope.cancel()
+
+
 async def test_hash_mismatch_removes_the_partial(tmp_path: Path) -> None:
     body = blob(100_000, 11)
     manifest = json.dumps({"files": [{"name": "a.bin", "size": len(body), "sha256": "0" * 64}]})
@@ -645,9 +664,17 @@ async def test_disk_full_fails_naming_it_and_leaves_no_partial(tmp_path: Path) -
         root.mkdir()
         (root / "big.bin").write_bytes(blob(3 * MiB, 12))
         async with trio.open_nursery() as nursery:
+            # The mirror says the length: refused from the head, before the first byte.
             port = await start_mirror(nursery, root)
             fetcher = await start_fetcher(nursery, weights)
             url = f"http://127.0.0.1:{port}/big.bin"
+            with pytest.raises(FetchError) as info:
+                await fetcher.fetch(url, "file")
+            assert str(info.value).startswith(f"{url}: needs 3.0 MiB more in {weights}, "), info
+            assert os.listdir(weights) == []
+            # A server that says no length: the disk fills, and the partial is removed.
+            raw = RawServer({"/big.bin": (200, {}, blob(3 * MiB, 12))}, no_length=True)
+            url = f"http://127.0.0.1:{await raw.start(nursery)}/big.bin"
             with pytest.raises(FetchError) as info:
                 await fetcher.fetch(url, "file")
             partial_file = weights / cache_name(url) / "big.bin.partial"
