@@ -340,20 +340,28 @@ def test_fleet_metrics_of_real_agents(cluster: LocalCluster, tmp_path: Path) -> 
         assert r.status_code == 200
         return r.text
 
+    why: list[str] = []
+
     def settled() -> tuple[str, dict[str, Any]] | None:
-        # A scrape between two reads of the admin API that agree: one heartbeat's figures.
-        before = cluster.nodes()
+        # A scrape between two reads of gpu-1's inventory that agree: one heartbeat's
+        # figures (old-1's heartbeats in between change nothing asserted of gpu-1).
+        before = cluster.nodes()["gpu-1"]["inventory"]
         text = scrape()
-        after = cluster.nodes()
-        if before != after:
+        nodes = cluster.nodes()
+        if before != nodes["gpu-1"]["inventory"]:
+            why.append("a heartbeat of gpu-1 came between the reads")
             return None
-        usage = after["gpu-1"]["inventory"]["usage"]
+        usage = nodes["gpu-1"]["inventory"]["usage"]
         shard = [s for s in usage["shards"] if s["shard_id"] == shard_id]
         if not shard or shard[0]["rss_bytes"] is None or not usage["gpus"]:
+            why.append(f"no shard usage yet: shards {usage['shards']}, gpus {usage['gpus']}")
             return None
-        return text, after
+        return text, nodes
 
-    text, nodes = wait_for("a shard's usage in a heartbeat", settled, 30)
+    try:
+        text, nodes = wait_for("a shard's usage in a heartbeat", settled, 60)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; the last reasons: {why[-3:]}") from None
     got = samples(text)
     inv = nodes["gpu-1"]["inventory"]
     usage = inv["usage"]
