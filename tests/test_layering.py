@@ -289,3 +289,31 @@ def test_the_web_package_sits_below_every_service() -> None:
         for p in (PACKAGE / "web").rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+MAX_CLASS_LINES = 400  # issue 22: a class past this is more than one idea; split it
+
+
+def long_classes(source: str, limit: int = MAX_CLASS_LINES) -> list[tuple[str, int]]:
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_no_class_in_the_package_is_over_400_lines() -> None:
+    offenders = [
+        f"{p.relative_to(PACKAGE)}: {name} ({lines} lines)"
+        for p in sorted(PACKAGE.rglob("*.py"))
+        for name, lines in long_classes(p.read_text())
+    ]
+    assert offenders == [], offenders
+
+
+def test_the_class_length_check_counts_a_class_whole() -> None:
+    body = "class Big:\n" + "    x = 1\n" * 400
+    assert long_classes(body) == [("Big", 401)]
+    assert long_classes("class Small:\n    pass\n") == []

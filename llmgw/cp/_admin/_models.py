@@ -114,9 +114,9 @@ class Models:
                     "nodes": [],
                     "since": wall - (now - b.last_at),  # its last failure
                     "stale": False,
-                    "reason": b.describe(now, reconciler.backoff_policy),
+                    "reason": b.describe(now, reconciler.backoff.policy),
                     "failures": b.failures,
-                    "next_try_in_s": max(0.0, b.next_try_at(reconciler.backoff_policy) - now),
+                    "next_try_in_s": max(0.0, b.next_try_at(reconciler.backoff.policy) - now),
                     "last_failure": _failure_json(failure),
                 }
             )

@@ -45,6 +45,20 @@ class NodeRecord:
         held = next((s for s in self.shards if s.shard_id == shard_id), None)
         return held.seq if held is not None else self.removed.get(shard_id, 0)
 
+    def take(self, shard: model.ShardReport) -> bool:
+        """Apply a report of one of the node's shards; False, and nothing changed, when it
+        is older than the newest held or removed (a command's reply that the agent's own
+        later report overtook)."""
+        newest = self.newest_seq(shard.shard_id)
+        if shard.seq and shard.seq < newest:
+            log.debug("node %s: shard %s report %d (%s) is older than %d: dropped",
+                      self.node_id, shard.shard_id, shard.seq, shard.state, newest)  # fmt: skip
+            return False
+        self.shards = (*(s for s in self.shards if s.shard_id != shard.shard_id), shard)
+        if shard.state == model.ShardState.STOPPED:
+            self.remove_shard(shard.shard_id)  # gone, its seq remembered
+        return True
+
     def remove_shard(self, shard_id: str) -> None:
         seq = self.newest_seq(shard_id)
         self.shards = tuple(s for s in self.shards if s.shard_id != shard_id)

@@ -42,6 +42,7 @@ from llmgw.core import (
     Start,
     Stop,
 )
+from llmgw.cp._fleet._backoffs import ModelBackoffs
 from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile, fingerprint
 from llmgw.cp._fleet._launch import shard_specs
 from llmgw.cp._fleet._registry import NodeRecord, NodeRegistry
@@ -55,11 +56,6 @@ from llmgw.errors import DeadlineExceeded, LlmgwError, StaleEpoch
 log = logging.getLogger("llmgw.cp.reconciler")
 
 FAILED_START_VISIBLE_S = 600.0  # a start that never reached its agent stays in `replicas()`
-# What counts as its model's failure, for the restart backoff (llmgw/core/_backoff.py); a lost
-# node, a drain, a catalog change or a scale-down is not the model's fault.
-FAILURE_STATES = frozenset(
-    {core.ReplicaState.FAILED, core.ReplicaState.TIMED_OUT, core.ReplicaState.INCOMPLETE}
-)
 
 
 @attrs.frozen
@@ -140,13 +136,7 @@ class Reconciler:
         self.drain_timeout_s = drain_timeout_s
         self._in_flight = in_flight
         self._retiring = retiring if retiring is not None else Retiring()
-        # Restart backoff, per model (llmgw/core/_backoff.py): each failed replica counted
-        # once, and when each replica now ready became so.
-        self.backoff_policy = backoff if backoff is not None else core.BackoffPolicy()
-        self._backoff: dict[str, core.Backoff] = {}
-        self._counted: set[str] = set()
-        self._started_after: dict[str, int] = {}  # replica id -> its model's failures then
-        self._ready_at: dict[str, float] = {}
+        self.backoff = ModelBackoffs(backoff)  # per model (llmgw/cp/_fleet/_backoffs.py)
 
     def __repr__(self) -> str:
         return f"<Reconciler {self.statistics()}>"
@@ -179,9 +169,7 @@ class Reconciler:
         self._unhealthy_since.clear()
         self._retiring.clear()
         self._unplaced.clear()
-        self._backoff.clear()
-        self._counted.clear()
-        self._started_after.clear()
+        self.backoff.clear()
         self._last_plan = Plan((), ())
         self.poke()
 
@@ -237,11 +225,12 @@ class Reconciler:
                 unhealthy_replace_s=self.unhealthy_replace_s,
                 guard_held_at=self._guard_held_at, ready_since=ready_since,
                 settle_s=self._settle.settle_s,
-                backoff=dict(self._backoff), backoff_policy=self.backoff_policy,
+                backoff=self.backoff.current(), backoff_policy=self.backoff.policy,
             )  # fmt: skip
 
         plan = reconcile()
-        if self._note_outcomes(plan, {d.name for d in wanted}, now):
+        others = self._failed_starts.keys() | self._pending.keys()
+        if self.backoff.note(plan, {d.name for d in wanted}, others, now):
             plan = reconcile()  # a failure seen in this pass delays its own replacement
         if plan.cut_off:
             self._guard_held_at = now
@@ -249,64 +238,10 @@ class Reconciler:
         self._retiring.note(retiring, now)
         return plan
 
-    def _note_outcomes(self, plan: Plan, models: set[str], now: float) -> bool:
-        """Count each newly failed replica against its model's backoff, and let a model
-        go whose new replica has stayed ready; True when a backoff grew."""
-        grew = False
-        present = {v.replica_id for v in plan.replicas}
-        self._ready_at = {
-            v.replica_id: self._ready_at.get(v.replica_id, now)
-            for v in plan.replicas
-            if v.state == core.ReplicaState.READY
-        }
-        for v in plan.replicas:
-            if v.state in FAILURE_STATES and v.replica_id not in self._counted:
-                self._fail(v.model_name, v.replica_id, v.reason or v.state, now)
-                grew = True
-        ready: dict[str, list[float]] = {}
-        for v in plan.replicas:
-            if v.replica_id in self._ready_at:
-                ready.setdefault(v.model_name, []).append(self._ready_at[v.replica_id])
-        for name, b in list(self._backoff.items()):
-            left = core.backoff_settled(b, ready.get(name, []), now, self.backoff_policy)
-            if left is None or name not in models:
-                if left is None:
-                    log.info("%s: ready again after %d failures", name, b.failures)
-                del self._backoff[name]
-        self._counted &= present | self._failed_starts.keys()
-        keep = present | self._failed_starts.keys() | self._pending.keys()
-        self._started_after = {r: n for r, n in self._started_after.items() if r in keep}
-        return grew
-
-    def _fail(self, model_name: str, replica_id: str, reason: str, now: float) -> None:
-        self._counted.add(replica_id)
-        before = self._backoff.get(model_name)
-        b = core.backoff_failure(before, now, reason, self._started_after.get(replica_id))
-        self._backoff[model_name] = b
-        if before is None or b.failures > before.failures:
-            log.warning(
-                "%s: %s; its next start waits %.0f s",
-                model_name,
-                f"{b.failures} failures in a row" if b.failures > 1 else "a replica failed",
-                b.delay_s(self.backoff_policy),
-            )
-
     def backoffs(self) -> dict[str, core.Backoff]:
-        """The models whose starts the backoff holds back (`ctl replicas`, the pages): in
-        backoff and short of replicas. One whose replacement is ready is not shown,
-        though its count is kept until that replica has stayed ready a while."""
-        catalog = self._catalog()
-        out = {}
-        for name, b in self._backoff.items():
-            m = catalog.model(name)
-            alive = sum(
-                1
-                for v in self._last_plan.replicas
-                if v.model_name == name and v.state in core.ALIVE_REPLICA_STATES
-            )
-            if m is not None and alive < m.replicas:
-                out[name] = b
-        return out
+        """The models whose starts the backoff holds back (`ctl replicas`, the pages)."""
+        wanted = {m.name: m.replicas for m in self._catalog().models}
+        return self.backoff.holding(self._last_plan.replicas, wanted)
 
     def retiring(self) -> frozenset[str]:
         """Replicas on draining nodes whose replacement is ready: the router leaves them out."""
@@ -387,20 +322,7 @@ class Reconciler:
             self.poke()
 
     def _note_stop(self, action: Stop) -> None:
-        """Keep why, for `ctl replicas` and `ctl events` (llmgw/cp/_observe/_events.py)."""
-        rec = self._registry.record(action.node_id)
-        shards = rec.shards if rec is not None else ()
-        shard = next((s for s in shards if s.shard_id == action.shard_id), None)
-        replica_id = shard.replica_id if shard is not None else None
-        view = next((v for v in self._last_plan.replicas if v.replica_id == replica_id), None)
-        self._registry.events.replica_stopped(
-            node_id=action.node_id,
-            shard_id=action.shard_id,
-            reason=action.reason,
-            replica_id=replica_id,
-            model_name=shard.model_name if shard is not None else None,
-            state=view.state if view is not None else None,
-        )
+        _note_stop(self._registry, self._last_plan, action)
 
     def facts(self) -> list[core.NodeFacts]:
         held = self._registry.cordoned.keys() | self._registry.draining.keys()
@@ -490,8 +412,7 @@ class Reconciler:
         if self._nursery is None:  # not running: nothing can be sent
             return
         self._pending[replica_id] = _Pending(m.name, now, tuple(specs))
-        b = self._backoff.get(m.name)
-        self._started_after[replica_id] = b.failures if b is not None else 0
+        self.backoff.started(replica_id, m.name)
         self._first_seen[replica_id] = now
         self._nursery.start_soon(self._start, replica_id)
 
@@ -543,7 +464,7 @@ class Reconciler:
             failure,
         )  # fmt: skip
         if blame:
-            self._fail(p.model_name, replica_id, failure, self._clock())
+            self.backoff.failed(p.model_name, replica_id, failure, self._clock())
         for node_id, shard_id in started:
             self._stop_soon(Stop(node_id, shard_id, f"replica {replica_id}: {failure}"))
 
@@ -552,16 +473,39 @@ class Reconciler:
     def replicas(self) -> list[ReplicaView]:
         """The last plan's replicas, then starts in flight not reported yet, then starts
         that never reached their agent (with why), for `FAILED_START_VISIBLE_S`."""
-        views = list(self._last_plan.replicas)
-        shown = {v.replica_id for v in views}
-        for replica_id, p in sorted(self._pending.items()):
-            if replica_id not in shown:
-                nodes = tuple(n for n, _ in p.ranks)
-                why = "start sent, not answered yet"
-                views.append(ReplicaView(replica_id, p.model_name, core.ReplicaState.STARTING,
-                                         nodes, p.since, False, why))  # fmt: skip
-        views += [v for r, v in sorted(self._failed_starts.items()) if r not in shown]
-        return views
+        return _views(self._last_plan, self._pending, self._failed_starts)
 
     def unplaced(self) -> list[Unplaced]:
         return list(self._unplaced.values())
+
+
+def _views(
+    plan: Plan, pending: dict[str, _Pending], failed_starts: dict[str, ReplicaView]
+) -> list[ReplicaView]:
+    views = list(plan.replicas)
+    shown = {v.replica_id for v in views}
+    for replica_id, p in sorted(pending.items()):
+        if replica_id not in shown:
+            nodes = tuple(n for n, _ in p.ranks)
+            why = "start sent, not answered yet"
+            views.append(ReplicaView(replica_id, p.model_name, core.ReplicaState.STARTING,
+                                     nodes, p.since, False, why))  # fmt: skip
+    views += [v for r, v in sorted(failed_starts.items()) if r not in shown]
+    return views
+
+
+def _note_stop(registry: NodeRegistry, plan: Plan, action: Stop) -> None:
+    """Keep why, for `ctl replicas` and `ctl events` (llmgw/cp/_observe/_events.py)."""
+    rec = registry.record(action.node_id)
+    shards = rec.shards if rec is not None else ()
+    shard = next((s for s in shards if s.shard_id == action.shard_id), None)
+    replica_id = shard.replica_id if shard is not None else None
+    view = next((v for v in plan.replicas if v.replica_id == replica_id), None)
+    registry.events.replica_stopped(
+        node_id=action.node_id,
+        shard_id=action.shard_id,
+        reason=action.reason,
+        replica_id=replica_id,
+        model_name=shard.model_name if shard is not None else None,
+        state=view.state if view is not None else None,
+    )

@@ -414,19 +414,11 @@ class NodeRegistry:
         rec = self._current(node_id, generation)
         if rec is None:
             return
-        newest = rec.newest_seq(shard.shard_id)
-        if shard.seq and shard.seq < newest:
-            # Older than what is held: a command's reply that the agent's own later
-            # report overtook. State never goes backwards.
-            log.debug("node %s: shard %s report %d (%s) is older than %d: dropped",
-                      node_id, shard.shard_id, shard.seq, shard.state, newest)  # fmt: skip
-            return
+        if not rec.take(shard):
+            return  # older than what it holds: state never goes backwards
         self.events.shard_report(node_id, shard)
         if shard.source is not None and shard.state != model.ShardState.STARTING:
             self._progress.end(node_id, shard.source)  # the fetch's news ends with it
-        rec.shards = (*(s for s in rec.shards if s.shard_id != shard.shard_id), shard)
-        if shard.state == model.ShardState.STOPPED:
-            rec.remove_shard(shard.shard_id)  # gone, its seq remembered
         self._changed()
 
     def on_progress(self, node_id: str, generation: int, msg: model.Progress) -> None:
