@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import trio
@@ -513,45 +513,39 @@ async def test_hostile_manifests_are_refused_before_anything_is_written(tmp_path
         nursery.cancel_scope.cancel()
 
 
-async def test_a_version_bigger_than_the_disk_is_refused_before_its_first_byte(
-    tmp_path: Path,
+BIGGER_THAN_THE_DISK = {
+    # A version whose manifest says 1 PiB: refused before a byte of its file is asked for.
+    "version": (
+        "/v/",
+        {"/v/": (200, {}, json.dumps({"files": [{"name": "a.safetensors", "size": 1 << 50}]})
+                 .encode()), "/v/a.safetensors": (200, {}, b"x" * 64)},
+        "1\\.0 PiB",
+    ),
+    # A file whose Content-Length says 1 TiB: refused from its head, before its body.
+    "file": ("/big.gguf", {"/big.gguf": (200, {"content-length": str(1 << 40)}, b"")}, "1\\.0 TiB"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["version", "file"])
+async def test_a_source_bigger_than_the_disk_is_refused_before_its_first_byte(
+    tmp_path: Path, kind: Literal["version", "file"]
 ) -> None:
-    pib = 1 << 50
-    manifest = json.dumps({"files": [{"name": "a.safetensors", "size": pib}]}).encode()
-    server = RawServer({"/v/": (200, {}, manifest), "/v/a.safetensors": (200, {}, b"x" * 64)})
+    target, routes, size = BIGGER_THAN_THE_DISK[kind]
+    server = RawServer(routes, no_length=kind == "file")
     async with trio.open_nursery() as nursery:
         port = await server.start(nursery)
         weights = tmp_path / "w"
         fetcher = await start_fetcher(nursery, weights)
-        url = f"http://127.0.0.1:{port}/v/"
+        url = f"http://127.0.0.1:{port}{target}"
         with pytest.raises(FetchError) as info:
-            await fetcher.fetch(url, "version")
+            await fetcher.fetch(url, kind)
         message = str(info.value)
         assert re.fullmatch(
-            rf"{re.escape(url)}: needs 1\.0 PiB more in {re.escape(str(weights))}, which has "
+            rf"{re.escape(url)}: needs {size} more in {re.escape(str(weights))}, which has "
             r"[0-9.]+ [KMGT]iB free; nothing was fetched",
             message,
         ), message
-        assert [t for t, _ in server.requests] == ["/v/"]  # the manifest, no byte of the file
-        assert os.listdir(weights) == []
-        nursery.cancel_scope.cancel()
-
-
-async def test_a_file_bigger_than_the_disk_is_refused_from_its_content_length(
-    tmp_path: Path,
-) -> None:
-    tib = 1 << 40
-    server = RawServer({"/big.gguf": (200, {"content-length": str(tib)}, b"")}, no_length=True)
-    async with trio.open_nursery() as nursery:
-        port = await server.start(nursery)
-        weights = tmp_path / "w"
-        fetcher = await start_fetcher(nursery, weights)
-        url = f"http://127.0.0.1:{port}/big.gguf"
-        with pytest.raises(FetchError) as info:
-            await fetcher.fetch(url, "file")
-        message = str(info.value)
-        assert message.startswith(f"{url}: needs 1.0 TiB more in {weights}, which has "), message
-        assert message.endswith(" free; nothing was fetched"), message
+        assert [t for t, _ in server.requests] == [target]  # no byte of the file's body
         assert os.listdir(weights) == []  # not even the entry's empty directory
         nursery.cancel_scope.cancel()
 

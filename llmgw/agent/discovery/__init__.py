@@ -46,7 +46,6 @@ from ._probe import (
     UsageSampler,
     collect_inventory,
     collect_usage,
-    complete_entry,
     probe_engines,
     probe_filesystems,
     probe_gpus,
@@ -56,7 +55,6 @@ from ._probe import (
     read_memory,
     read_mounts,
     read_os_release,
-    scan_weights,
 )
 from ._report import format_inventory, inventory_to_json
 from ._runner import Runner, RunResult, SubprocessRunner
@@ -74,6 +72,7 @@ from ._smi import (
     parse_smi_versions,
 )
 from ._topo import GpuAffinity, TopoMatrix, parse_topo
+from ._weights_scan import complete_entry, scan_weights
 
 __all__ = [
     "COMPUTE_APPS_FIELDS",
