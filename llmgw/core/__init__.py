@@ -64,6 +64,16 @@ from llmgw.core._replica import (
     ReplicaMeaning,
     ReplicaState,
 )
+from llmgw.core._rollout import (
+    RolloutControl,
+    RolloutDecision,
+    RolloutMember,
+    RolloutPhase,
+    RolloutPolicy,
+    RolloutRecord,
+    RolloutStep,
+    rollout_model,
+)
 from llmgw.core._scoring import (
     POLICIES,
     Decision,
@@ -165,6 +175,13 @@ __all__ = [
     "ReplicaState",
     "ReplicaView",
     "RequestEstimate",
+    "RolloutControl",
+    "RolloutDecision",
+    "RolloutMember",
+    "RolloutPhase",
+    "RolloutPolicy",
+    "RolloutRecord",
+    "RolloutStep",
     "ScoringConfig",
     "ShardEvent",
     "ShardState",
@@ -206,6 +223,7 @@ __all__ = [
     "plan_reclaim",
     "reconcile",
     "registered",
+    "rollout_model",
     "socket_interface",
     "step",
     "wanted_cache_names",

@@ -98,20 +98,26 @@ def drain_model(
             )
             out.append(decision)
             continue
-        out.append(_retire(r, drain, now))
+        out.append(retire(r.replica_id, r.ready, drain, now))
     return out
 
 
-def _retire(r: DrainingReplica, drain: DrainInput, now: float) -> DrainDecision:
-    def decide(stop: bool, why: str) -> DrainDecision:
-        return DrainDecision(r.replica_id, ReplicaState.RETIRING, stop, f"{DRAINING}; {why}")
+def retire(
+    replica_id: str, ready: bool, drain: DrainInput, now: float, why: str = DRAINING
+) -> DrainDecision:
+    """A replica that may retire (`why` it is replaced): out of the router on the first
+    pass, stopped on a later one at zero in flight or after the timeout; at once when it
+    serves nothing. The rollout rule (llmgw/core/_rollout.py) retires the same way."""
 
-    since = drain.retiring_since.get(r.replica_id)
-    if not r.ready:
+    def decide(stop: bool, reason: str) -> DrainDecision:
+        return DrainDecision(replica_id, ReplicaState.RETIRING, stop, f"{why}; {reason}")
+
+    since = drain.retiring_since.get(replica_id)
+    if not ready:
         return decide(True, "it was not serving, and is replaced")  # nothing can be in flight
     if since is None:
         return decide(False, "replaced, so the router sends it nothing new")
-    flying = drain.in_flight.get(r.replica_id)
+    flying = drain.in_flight.get(replica_id)
     waited = now - since
     count = "an unknown number of" if flying is None else str(flying)
     if flying == 0:

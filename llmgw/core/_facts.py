@@ -307,13 +307,17 @@ def drain_input(
     in_flight: Callable[[str, str], int | None] | None,
     retiring_since: Mapping[str, float],
     timeout_s: float,
+    *,
+    also: Collection[str] = (),
 ) -> DrainInput:
-    """The drain rule's input. `in_flight(replica id, rank-0 node)`: the router's count
-    of requests there, asked only for the replicas a draining node touches; None (no
+    """The drain rule's input (and the rollout rule's). `in_flight(replica id, rank-0
+    node)`: the router's count of requests there, asked only for the replicas a draining
+    node touches and those in `also` (the stale ones a rollout may retire); None (no
     router here) leaves every count unknown."""
     nodes = frozenset(draining)
     counts: dict[str, int | None] = {}
     touched = {s.replica_id for s in shards if s.node_id in nodes and s.replica_id}
+    touched |= set(also)
     for s in shards:
         if s.replica_id in touched and s.rank == 0:
             counts[s.replica_id] = in_flight(s.replica_id, s.node_id) if in_flight else None

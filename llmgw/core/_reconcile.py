@@ -37,7 +37,11 @@ Rules, in order:
 - a live replica with a rank on a draining node: not counted as one of its
   model's replicas (so it is replaced), and kept or stopped by the drain rule
   (llmgw/core/_drain.py: kept until its replacement is ready, then taken out
-  of the router, then stopped once nothing is in flight or the timeout passed).
+  of the router, then stopped once nothing is in flight or the timeout passed);
+- a model with live stale replicas (another profile fingerprint than the
+  catalog's) is rolled out: the rollout rule (llmgw/core/_rollout.py) decides
+  its starts (under the backoff above) and which stale replicas retire, by
+  the model's `max_surge` and `max_unavailable`, and what the plan says of it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,13 @@ from llmgw.core._backoff import Backoff, BackoffPolicy
 from llmgw.core._drain import DrainingReplica, DrainInput, drain_model
 from llmgw.core._liveness import NodeState
 from llmgw.core._replica import ALIVE_REPLICA_STATES, BEHIND, ReplicaState
+from llmgw.core._rollout import (
+    RolloutControl,
+    RolloutMember,
+    RolloutPolicy,
+    RolloutStep,
+    rollout_model,
+)
 from llmgw.model import ShardState
 
 
@@ -59,6 +70,7 @@ class DesiredModel:
     replicas: int
     fingerprints: tuple[str, ...]  # of its profiles; a replica with another one is stale
     startup_timeout_s: Mapping[str, float] = attrs.field(factory=dict)  # per fingerprint
+    rollout: RolloutPolicy = attrs.field(factory=RolloutPolicy)
 
 
 @attrs.frozen
@@ -107,6 +119,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     cut_off: bool = False  # more than half the fleet away now: the shell records when
     holding: bool = False  # the guard holds (cut off, or its hysteresis): nothing rescheduled
+    rollouts: tuple[RolloutStep, ...] = ()  # the models being rolled out, and how far
 
 
 ALIVE = ALIVE_REPLICA_STATES
@@ -194,6 +207,7 @@ def reconcile(
     settle_max_s: float | None = None,
     backoff: Mapping[str, Backoff] | None = None,
     backoff_policy: BackoffPolicy = BACKOFF_POLICY,
+    rollouts: Mapping[str, RolloutControl] | None = None,
 ) -> Plan:
     """The actions that bring `shards` toward `desired`.
 
@@ -206,6 +220,7 @@ def reconcile(
     `guard_held_at`, `ready_since` (node -> when it last became ready),
     `settle_s`, `settle_max_s`: the guard's hysteresis, in the module's rules.
     `backoff`: model -> its restart backoff, under `backoff_policy`.
+    `rollouts`: model -> the operator's word and the shell's memory of its rollout.
     """
     pending = pending or {}
     unhealthy_since = unhealthy_since or {}
@@ -268,26 +283,41 @@ def reconcile(
             stop_all(members, f"replica {replica_id} {state}: {reason}")
         views.append(view)
 
+    steps: list[RolloutStep] = []
+    retired: dict[str, tuple[str, str]] = {}  # replica id -> (state, reason), from rollouts
     for d in desired:
         have = alive.get(d.name, [])
-        if len(have) > d.replicas:
+        old = [(r, v) for r, v in have if v.stale]
+        new = [(r, v) for r, v in have if not v.stale]
+        missing = d.replicas - len(have) - pending.get(d.name, 0)
+        too_many = have
+        control = (rollouts or {}).get(d.name, RolloutControl())
+        if old or control.active:
+            step = rollout_model(
+                d.name, d.replicas,
+                [RolloutMember(r, v.state == ReplicaState.READY, v.first_seen) for r, v in old],
+                [RolloutMember(r, v.state == ReplicaState.READY, v.first_seen) for r, v in new],
+                pending.get(d.name, 0), d.rollout, control,
+                drain or DrainInput(), now, holding=holding,
+            )  # fmt: skip
+            steps.append(step)
+            for dec in step.decisions:
+                retired[dec.replica_id] = (ReplicaState.RETIRING if dec.retiring else "",
+                                           dec.reason)  # fmt: skip
+                if dec.stop:
+                    stop_all(by_replica[dec.replica_id],
+                             f"replica {dec.replica_id} retired: {dec.reason}")  # fmt: skip
+            missing, too_many = step.starts, new
+        if len(too_many) > d.replicas:
             # The least advanced first, then the newest.
             worst = sorted(
-                have, key=lambda rv: (-BEHIND[ReplicaState(rv[1].state)], -rv[1].first_seen)
+                too_many, key=lambda rv: (-BEHIND[ReplicaState(rv[1].state)], -rv[1].first_seen)
             )
-            doomed = {replica_id for replica_id, _ in worst[: len(have) - d.replicas]}
+            doomed = {replica_id for replica_id, _ in worst[: len(too_many) - d.replicas]}
             for replica_id in sorted(doomed):
                 stop_all(by_replica[replica_id], f"{d.name} wants {d.replicas} replicas")
-            views = [
-                attrs.evolve(
-                    v, state=ReplicaState.EXTRA, reason=f"{d.name} wants {d.replicas} replicas"
-                )
-                if v.replica_id in doomed
-                else v
-                for v in views
-            ]
-        elif len(have) + pending.get(d.name, 0) < d.replicas and not holding:
-            missing = d.replicas - len(have) - pending.get(d.name, 0)
+                retired[replica_id] = (ReplicaState.EXTRA, f"{d.name} wants {d.replicas} replicas")
+        elif missing > 0 and not holding:
             b = (backoff or {}).get(d.name)
             if b is not None:
                 trying = pending.get(d.name, 0) + sum(
@@ -297,10 +327,17 @@ def reconcile(
                 )
                 missing = 0 if now < b.next_try_at(backoff_policy) or trying else 1
             actions += [Start(d.name)] * missing
+    views = [
+        attrs.evolve(v, state=retired[v.replica_id][0] or v.state, reason=retired[v.replica_id][1])
+        if v.replica_id in retired
+        else v
+        for v in views
+    ]
     if drain is not None and draining:
         views = _apply_drain(wanted, alive, draining, drain, now, holding, views, stop_all,
                              by_replica)  # fmt: skip
-    return Plan(tuple(actions), tuple(views), tuple(notes), cut_off=cut_off, holding=holding)
+    return Plan(tuple(actions), tuple(views), tuple(notes), cut_off=cut_off, holding=holding,
+                rollouts=tuple(steps))  # fmt: skip
 
 
 # draining (the rule itself is llmgw/core/_drain.py) -----------------------------------------

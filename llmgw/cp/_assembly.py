@@ -39,6 +39,7 @@ from llmgw.cp._fleet._leader import Holder, LeaderCollector, Leadership, adverti
 from llmgw.cp._fleet._reconciler import Reconciler
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.cp._fleet._retiring import Retiring
+from llmgw.cp._fleet._rollouts import Rollouts
 from llmgw.cp._fleet._wake import Wakeup
 from llmgw.cp._legacy import import_legacy
 from llmgw.cp._observe._history import History
@@ -196,6 +197,7 @@ async def assemble(
 
     async def elected(epoch: int) -> None:
         await registry.load_state(store)  # the other control plane may have changed them
+        await rollouts.load(store)  # and rolled models: this one continues
         registry.lead(epoch)
         reconciler.elected()  # the settle counts from now
 
@@ -240,6 +242,8 @@ async def assemble(
         history=history,
     )
     await registry.load_state(store)  # overrides, and the known nodes a restart waits for
+    rollouts = Rollouts()  # the endpoint list names what it pins, the reconciler rolls
+    await rollouts.load(store)
     log.info("engines: %s", _engines.describe(catalog.engines))
     # Each fetched source's size, for placement's disk check: measured by a task of
     # its own (llmgw/cp/_weights/_sizes.py), never inside a pass; a size that changes
@@ -250,7 +254,9 @@ async def assemble(
         on_change=plan_again.poke,
     )
     retiring = Retiring(on_change=endpoints_stale.poke)
-    endpoints = FleetEndpoints(registry, lambda: catalog.catalog, retiring.replicas)
+    endpoints = FleetEndpoints(
+        registry, lambda: rollouts.catalog(catalog.catalog), retiring.replicas
+    )
     endpoints_stale.on_poke(endpoints.refresh)
     # The router in either role: the fleet's list while leading, else the leader's, as it
     # published it in the store (llmgw/cp/_fleet/_endpoints.py).
@@ -296,6 +302,7 @@ async def assemble(
         sizes=sizes,
         wake=plan_again,
         retiring=retiring,
+        rollouts=rollouts,
         # Without router_listen no requests pass here: in flight is unknown.
         in_flight=in_flight if cfg.router_listen is not None else None,
     )

@@ -14,6 +14,7 @@ from llmgw.errors import UsageError
 from llmgw.store._accounts import INSERT_ACCOUNT, INSERT_KEY, KEY_COLUMNS
 from llmgw.store._backends import Exec
 from llmgw.store._nodes import UPSERT_KNOWN, UPSERT_OVERRIDE
+from llmgw.store._rollouts import UPSERT_ROLLOUT
 from llmgw.store._runner import Runner
 from llmgw.store._usage import ADD_USAGE
 from llmgw.store._values import StoreDump
@@ -54,6 +55,9 @@ def _read(run: Exec) -> StoreDump:
             )
         ),
         epoch=int(lease[0][0]) if lease else 0,
+        rollouts=tuple(
+            tuple(r) for r in run("SELECT model, body, at FROM rollouts ORDER BY model")
+        ),
     )
 
 
@@ -96,6 +100,8 @@ class StoreMove:
                 run("INSERT INTO audit (at, actor, action, detail) VALUES (?,?,?,?)", row)
             for row in dump.usage:
                 run(ADD_USAGE, row)
+            for row in dump.rollouts:
+                run(UPSERT_ROLLOUT.format(at="?"), row)
             run(
                 "UPDATE lease SET holder = NULL, expires_at = 0,"
                 " epoch = CASE WHEN epoch > ? THEN epoch ELSE ? END WHERE id = 1",

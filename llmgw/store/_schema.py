@@ -61,6 +61,11 @@ _SQLITE_MIGRATIONS: tuple[str, ...] = (
         at REAL NOT NULL);
     INSERT INTO published_endpoints (id, epoch, body, at) VALUES (1, 0, NULL, 0);
     """,
+    # 3: each model's rollout and its last settled version (llmgw/cp/_fleet/_rollouts.py).
+    """
+    CREATE TABLE rollouts (
+        model TEXT PRIMARY KEY, body TEXT NOT NULL, at REAL NOT NULL);
+    """,
 )
 _PG_MIGRATIONS: tuple[str, ...] = (
     """
@@ -95,6 +100,11 @@ _PG_MIGRATIONS: tuple[str, ...] = (
         id INTEGER PRIMARY KEY CHECK (id = 1), epoch BIGINT NOT NULL, body TEXT,
         at DOUBLE PRECISION NOT NULL);
     INSERT INTO published_endpoints (id, epoch, body, at) VALUES (1, 0, NULL, 0);
+    """,
+    # 3: each model's rollout and its last settled version (llmgw/cp/_fleet/_rollouts.py).
+    """
+    CREATE TABLE rollouts (
+        model TEXT PRIMARY KEY, body TEXT NOT NULL, at DOUBLE PRECISION NOT NULL);
     """,
 )
 _PG_MIGRATE_LOCK = 0x6C6C6D67  # "llmg": the advisory lock that serializes migrations

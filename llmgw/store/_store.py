@@ -24,6 +24,7 @@ from llmgw.store._backends import Backend, Postgres, Sqlite
 from llmgw.store._lease import LeaseStore
 from llmgw.store._move import StoreMove
 from llmgw.store._nodes import NodeStore
+from llmgw.store._rollouts import RolloutStore
 from llmgw.store._runner import Runner
 from llmgw.store._schema import POSTGRES, SQLITE, Schema, migrate
 from llmgw.store._usage import UsageStore
@@ -53,6 +54,7 @@ class SqlStore:
         self._usage = UsageStore(runner)
         self._lease = LeaseStore(runner)
         self._move = StoreMove(runner)
+        self._rollouts = RolloutStore(runner)
 
     def __repr__(self) -> str:
         return f"<SqlStore {self.where}, {self.calls} calls>"
@@ -159,6 +161,17 @@ class SqlStore:
 
     async def published_endpoints(self) -> tuple[int, str, float] | None:
         return await self._lease.published_endpoints()
+
+    # rollouts (_rollouts.py)
+
+    async def put_rollout(self, model: str, body_json: str) -> None:
+        await self._rollouts.put_rollout(model, body_json)
+
+    async def delete_rollout(self, model: str) -> bool:
+        return await self._rollouts.delete_rollout(model)
+
+    async def rollouts(self) -> dict[str, str]:
+        return await self._rollouts.rollouts()
 
     # audit (_audit.py) and usage (_usage.py)
 

@@ -81,11 +81,12 @@ def test_extras_stop_least_advanced_then_newest() -> None:
     assert [a.shard_id for a in plan.actions if isinstance(a, Stop)] == ["loading-0"]
 
 
-def test_changed_profile_shows_stale_but_keeps_serving() -> None:
+def test_changed_profile_shows_stale_keeps_serving_and_starts_its_replacement() -> None:
     changed = DesiredModel("qwen", 1, ("fp2",), {"fp2": 600.0})
     plan = reconcile([changed], [shard("r1", fp="fp1")], {"n1": "ready"}, {}, 1.0)
-    assert plan.actions == ()
-    assert plan.replicas[0].stale
+    assert plan.actions == (Start("qwen"),)  # the rollout's surge of one
+    assert (plan.replicas[0].stale, plan.replicas[0].state) == (True, "ready")
+    assert plan.rollouts[0].status.startswith("rolling: 0 of 1 new (0 ready), 1 old left")
 
 
 def test_multinode_rank_missing_after_grace_is_incomplete() -> None:

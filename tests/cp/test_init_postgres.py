@@ -458,10 +458,11 @@ async def test_a_store_copies_whole_into_an_empty_one(pg_admin: str, tmp_path: P
         await lite.remember_node("n1", "10.0.0.1:7071")
         await lite.audit("ops", "keys.create", key.key_id)
         await lite.add_usage([UsageRow(7200, "acme", key.key_id, "m", 3, 30, 9)])
+        await lite.put_rollout("m", '{"record": null}')
         for _ in range(5):
             await lite.try_acquire("cp-a", 10)  # epoch 5
         dump = await lite.export_rows()
-        assert dump.epoch == 5
+        assert dump.epoch == 5 and [r[:2] for r in dump.rollouts] == [("m", '{"record": null}')]
         await pg.import_rows(dump)
 
         assert await pg.export_rows() == dump  # every row, digests and times as they were

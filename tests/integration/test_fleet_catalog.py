@@ -201,7 +201,8 @@ def test_catalog_placement_and_reconciler(cluster: LocalCluster, tmp_path: Path)
     assert fleet.pids() == before
     assert all(alive(p) for ps in before.values() for p in ps)
 
-    # Drop a model: its shards stop. Change a profile: its replicas show stale.
+    # Drop a model: its shards stop. Change a profile: its replicas are rolled, surge first.
+    chat_before = {r["replica"] for r in fleet.replicas() if r["model"] == "chat"}
     embed_pids = [
         p for sid, s in fleet.shards().items() if s["model_name"] == "embed" for p in s["pids"]
     ]
@@ -210,11 +211,24 @@ def test_catalog_placement_and_reconciler(cluster: LocalCluster, tmp_path: Path)
     cluster.write_server_config(changed)
     wait_for("embed's engines stopped", lambda: not any(alive(p) for p in embed_pids), 30)
     wait_for(
-        "chat stale", lambda: all(r["stale"] for r in fleet.replicas() if r["model"] == "chat"), 20
+        "chat rolling",
+        lambda: any(r["stale"] for r in fleet.replicas() if r["model"] == "chat")
+        or "done" in cluster.ctl("rollout", "status", "chat").stdout,
+        20,
     )
+
+    def rolled() -> bool:
+        chat = [r for r in fleet.replicas() if r["model"] == "chat"]
+        return (
+            len(chat) == len(chat_before)
+            and all(r["state"] == "ready" and not r["stale"] for r in chat)
+            and not {r["replica"] for r in chat} & chat_before
+        )
+
+    wait_for("chat rolled to its new profile", rolled, TIMEOUT)
     assert not [r for r in fleet.replicas() if r["model"] == "embed"]
-    table = cluster.ctl("replicas").stdout
-    assert any(line.startswith("chat") and "stale" in line for line in table.splitlines())
+    status = cluster.ctl("rollout", "status", "chat").stdout
+    assert "done" in status, status
 
     # A model nothing can hold: the per-node reasons, in `replicas` and `place --dry-run`.
     huge = {

@@ -20,6 +20,7 @@ from llmgw.cp._admin._http import Route, read_json, send_error
 from llmgw.cp._admin._key import authorised, digest
 from llmgw.cp._admin._logs import Logs
 from llmgw.cp._admin._models import Explainer, Models
+from llmgw.cp._admin._rollouts import RolloutRoutes
 from llmgw.cp._admin._tenants import Tenants
 from llmgw.cp._admin._weights import Weights
 from llmgw.cp._fleet._catalog_file import CatalogFile
@@ -73,12 +74,14 @@ class AdminApp:
         self._weights = Weights(registry, catalog)
         self._tenants = Tenants(store, keys, bands)
         self._logs = Logs(registry, store)
+        self._rollouts = RolloutRoutes(reconciler, catalog, store)
         self._routes: list[Route] = [
             *self._fleet.routes,
             *self._models.routes,
             *self._weights.routes,
             *self._tenants.routes,
             *self._logs.routes,
+            *self._rollouts.routes,
         ]
         # Each pattern matches a whole path, so the order of the rows decides nothing: a
         # (method, path) declared twice is a mistake, not a precedence to resolve.

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from llmgw import config, engines
+from llmgw import config, core, engines
 from llmgw.errors import ConfigError
 
 _CLASS = re.compile(r"^[a-z0-9][a-z0-9-]*-\d+g$")
@@ -54,12 +54,25 @@ class Profile:
 
 
 @attrs.define(kw_only=True, frozen=True)
+class Rollout:
+    """How a changed model's replicas are replaced (llmgw/core/_rollout.py)."""
+
+    max_surge: int = 1  # new replicas beyond the count while rolling
+    max_unavailable: int = 0  # ready replicas the count may drop by while rolling
+    max_failures: int = 3  # new replicas that may fail before the rollout stops itself
+
+    def policy(self) -> core.RolloutPolicy:
+        return core.RolloutPolicy(self.max_surge, self.max_unavailable, self.max_failures)
+
+
+@attrs.define(kw_only=True, frozen=True)
 class CatalogModel:
     name: str
     source: str  # a local path, a URL, a URL ending in / (multi-file), or a hub id
     served_names: list[str] = attrs.field(factory=list)
     replicas: int = 1
     profiles: list[Profile]
+    rollout: Rollout = attrs.field(factory=Rollout)  # not in the fingerprint: how, not what
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -134,12 +147,29 @@ def validate_catalog(catalog: Catalog, source: str) -> None:
             problems.append(f"{where}.source: empty")
         if m.replicas < 0:
             problems.append(f"{where}.replicas: {m.replicas} is negative")
+        problems += _rollout_problems(m.rollout, f"{where}.rollout")
         if not m.profiles:
             problems.append(f"{where}.profiles: at least one profile is needed")
         for j, p in enumerate(m.profiles):
             problems += _profile_problems(m, p, f"{where}.profiles[{j}]")
     if problems:
         raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
+
+
+def _rollout_problems(r: Rollout, where: str) -> list[str]:
+    problems = [
+        f"{where}.{name}: {value} is negative"
+        for name, value in (("max_surge", r.max_surge), ("max_unavailable", r.max_unavailable))
+        if value < 0
+    ]
+    if not problems and r.max_surge == 0 and r.max_unavailable == 0:
+        problems.append(
+            f"{where}: max_surge and max_unavailable are both 0, so no replica could ever be "
+            "replaced; allow one extra (max_surge: 1) or one fewer (max_unavailable: 1)"
+        )
+    if r.max_failures < 1:
+        problems.append(f"{where}.max_failures: {r.max_failures}: at least 1")
+    return problems
 
 
 def _profile_problems(model: CatalogModel, p: Profile, where: str) -> list[str]:

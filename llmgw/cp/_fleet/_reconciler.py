@@ -47,6 +47,7 @@ from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile, fingerprint
 from llmgw.cp._fleet._launch import shard_specs
 from llmgw.cp._fleet._registry import NodeRecord, NodeRegistry
 from llmgw.cp._fleet._retiring import Retiring
+from llmgw.cp._fleet._rollouts import Rollouts
 from llmgw.cp._fleet._settle import Settle
 from llmgw.cp._fleet._shards import PORTS
 from llmgw.cp._fleet._wake import Wakeup
@@ -80,7 +81,7 @@ def desired(catalog: Catalog) -> list[DesiredModel]:
     for m in catalog.models:
         prints = tuple(fingerprint(m, p) for p in m.profiles)
         timeouts = {fp: p.startup_timeout_s for fp, p in zip(prints, m.profiles, strict=True)}
-        out.append(DesiredModel(m.name, m.replicas, prints, timeouts))
+        out.append(DesiredModel(m.name, m.replicas, prints, timeouts, m.rollout.policy()))
     return out
 
 
@@ -102,6 +103,7 @@ class Reconciler:
         retiring: Retiring | None = None,
         in_flight: Callable[[str, str], int | None] | None = None,
         backoff: core.BackoffPolicy | None = None,
+        rollouts: Rollouts | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
@@ -137,6 +139,10 @@ class Reconciler:
         self._in_flight = in_flight
         self._retiring = retiring if retiring is not None else Retiring()
         self.backoff = ModelBackoffs(backoff)  # per model (llmgw/cp/_fleet/_backoffs.py)
+        # Rolling changed models (llmgw/cp/_fleet/_rollouts.py); `_models` is the catalog
+        # the last pass acted on: server.yaml's, with undone models pinned.
+        self.rollouts = rollouts if rollouts is not None else Rollouts()
+        self._models: Catalog | None = None
 
     def __repr__(self) -> str:
         return f"<Reconciler {self.statistics()}>"
@@ -177,6 +183,7 @@ class Reconciler:
         self._settle.begin(self._registry.known)  # known before this start
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self.rollouts.writer)
             task_status.started()
             while True:
                 await self._wake.wait(self.interval_s)
@@ -213,9 +220,20 @@ class Reconciler:
         self._unhealthy_since = {
             sid: self._unhealthy_since.get(sid, now) for sid in sick
         }  # a shard that recovers starts from zero next time
+        file_catalog = self._catalog()
+        catalog = self._models = self.rollouts.catalog(file_catalog)
+        wanted = desired(catalog)
+        current = {d.name: d.fingerprints for d in wanted}
+        stale = {
+            s.replica_id
+            for s in shards
+            if s.replica_id
+            and s.fingerprint not in current.get(s.model_name or "", (s.fingerprint,))
+        }
         drain = core.drain_input(shards, self._registry.draining, self._in_flight,
-                                 self._retiring.since(), self.drain_timeout_s)  # fmt: skip
-        wanted = desired(self._catalog())
+                                 self._retiring.since(), self.drain_timeout_s,
+                                 also=stale)  # fmt: skip
+        controls = self.rollouts.controls(self._unplaced.keys())
 
         def reconcile() -> Plan:
             return core.reconcile(
@@ -226,11 +244,16 @@ class Reconciler:
                 guard_held_at=self._guard_held_at, ready_since=ready_since,
                 settle_s=self._settle.settle_s,
                 backoff=self.backoff.current(), backoff_policy=self.backoff.policy,
+                rollouts=controls,
             )  # fmt: skip
 
         plan = reconcile()
         others = self._failed_starts.keys() | self._pending.keys()
-        if self.backoff.note(plan, {d.name for d in wanted}, others, now):
+        again = self.backoff.note(plan, {d.name for d in wanted}, others, now)
+        if self._settle.settled and self._registry.acting():
+            again = self.rollouts.note(plan, catalog, file_catalog) or again
+            controls = self.rollouts.controls(self._unplaced.keys())
+        if again:
             plan = reconcile()  # a failure seen in this pass delays its own replacement
         if plan.cut_off:
             self._guard_held_at = now
@@ -240,7 +263,7 @@ class Reconciler:
 
     def backoffs(self) -> dict[str, core.Backoff]:
         """The models whose starts the backoff holds back (`ctl replicas`, the pages)."""
-        wanted = {m.name: m.replicas for m in self._catalog().models}
+        wanted = {m.name: m.replicas for m in self._catalog().models}  # undo keeps the count
         return self.backoff.holding(self._last_plan.replicas, wanted)
 
     def retiring(self) -> frozenset[str]:
@@ -267,7 +290,7 @@ class Reconciler:
         await trio.lowlevel.checkpoint()
 
     def _act(self, plan: Plan) -> None:
-        catalog = self._catalog()
+        catalog = self._models if self._models is not None else self._catalog()
         starts = [a for a in plan.actions if isinstance(a, Start)]
         for action in plan.actions:
             if isinstance(action, Stop):
@@ -465,6 +488,7 @@ class Reconciler:
         )  # fmt: skip
         if blame:
             self.backoff.failed(p.model_name, replica_id, failure, self._clock())
+            self.rollouts.failed(p.model_name, replica_id)
         for node_id, shard_id in started:
             self._stop_soon(Stop(node_id, shard_id, f"replica {replica_id}: {failure}"))
 

@@ -1,7 +1,8 @@
-"""Replicas retiring from draining nodes: the reconciler names them, the router leaves them out.
+"""Retiring replicas: the reconciler names them, the router leaves them out.
 
 A replica on a draining node whose replacement is ready retires (the drain rule,
-llmgw/core/_drain.py): the router sends it nothing new while the requests it
+llmgw/core/_drain.py), and so does an old one of a model being rolled out (the
+rollout rule, llmgw/core/_rollout.py): the router sends it nothing new while the requests it
 has finish. After each plan the reconciler notes the set (`note`), keeping when
 each replica was first seen retiring (the drain's timeout counts from then);
 the endpoint list reads it (`replicas`) and is told when it changes
@@ -22,7 +23,7 @@ class Retiring:
         return f"<Retiring {sorted(self._since)}>"
 
     def replicas(self) -> frozenset[str]:
-        """Replicas on draining nodes whose replacement is ready: the router leaves them out."""
+        """Replicas retiring (drained or rolled out): the router leaves them out."""
         return frozenset(self._since)
 
     def since(self) -> dict[str, float]:
