@@ -29,7 +29,7 @@ from llmgw.cp._fleet._fleet_metrics import (
     FleetInput,
     fleet_families,
 )
-from llmgw.cp._fleet._reconciler import Unplaced
+from llmgw.cp._fleet._placing import Unplaced
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.testing import fake_engine, fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for

@@ -21,7 +21,8 @@ from helpers import register
 from llmgw import core, model
 from llmgw.core import node_facts, placement_profile, weights_key
 from llmgw.cp._fleet._catalog import Catalog, parse
-from llmgw.cp._fleet._reconciler import Reconciler, Unplaced
+from llmgw.cp._fleet._placing import Unplaced
+from llmgw.cp._fleet._reconciler import Reconciler
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.cp._fleet._wake import Wakeup
 from llmgw.cp._weights._sizes import MEASURING, SourceSizes

@@ -13,7 +13,8 @@ from llmgw import config
 from llmgw.cp._admin._common import NODES_PER_SLICE
 from llmgw.cp._admin._http import HttpError, Route, expect, route
 from llmgw.cp._fleet._catalog_file import CatalogFile
-from llmgw.cp._fleet._reconciler import Reconciler, Unplaced
+from llmgw.cp._fleet._placing import Unplaced
+from llmgw.cp._fleet._reconciler import Reconciler
 from llmgw.cp._fleet._registry import FetchProgress, NodeRegistry
 from llmgw.cp._observe._events import Failure
 from llmgw.cp._weights import _holdings

@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 
 from llmgw import core, model
 from llmgw.cp._fleet._catalog import Catalog
-from llmgw.cp._fleet._reconciler import Unplaced
+from llmgw.cp._fleet._placing import Unplaced
 from llmgw.cp._fleet._registry import NodeRecord
 
 MAX_AGE_S = 60.0  # a usage sample older than this is left out

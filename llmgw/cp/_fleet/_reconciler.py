@@ -45,7 +45,8 @@ from llmgw.core import (
 from llmgw.cp._fleet._backoffs import ModelBackoffs
 from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile, fingerprint
 from llmgw.cp._fleet._launch import shard_specs
-from llmgw.cp._fleet._registry import NodeRecord, NodeRegistry
+from llmgw.cp._fleet._placing import Placing, Unplaced
+from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.cp._fleet._retiring import Retiring
 from llmgw.cp._fleet._rollouts import Rollouts
 from llmgw.cp._fleet._settle import Settle
@@ -66,12 +67,6 @@ class _Pending:
     model_name: str
     since: float
     ranks: tuple[tuple[str, model.ShardSpec], ...]  # (node, spec), the leader first
-
-
-@attrs.frozen
-class Unplaced:
-    model_name: str
-    reasons: tuple[str, ...]
 
 
 def desired(catalog: Catalog) -> list[DesiredModel]:
@@ -107,10 +102,8 @@ class Reconciler:
     ) -> None:
         self._registry = registry
         self._catalog = catalog
-        # A catalog source's size in bytes, None when unknown, MEASURING before its
-        # first measurement (llmgw/cp/_weights/_sizes.py); None here: nothing knows sizes, so
-        # placement never refuses for disk.
-        self._sizes = sizes
+        # Placement's input (llmgw/cp/_fleet/_placing.py), with each source's size.
+        self.placing = Placing(registry, self._flying, clock, sizes)
         # Poked by whatever has news (the registry, the sizes, the catalog:
         # llmgw/cp/_fleet/_wake.py)
         self._wake = wake if wake is not None else Wakeup()
@@ -125,7 +118,6 @@ class Reconciler:
         self._first_seen: dict[str, float] = {}
         self._pending: dict[str, _Pending] = {}  # replica id -> its start, in flight
         self._failed_starts: dict[str, ReplicaView] = {}  # replica id -> why it never started
-        self._unanswered: dict[str, float] = {}  # node -> when a call to it timed out
         self._unhealthy_since: dict[str, float] = {}  # shard id -> first seen unhealthy
         self._stopping: set[tuple[str, str]] = set()
         self._unplaced: dict[str, Unplaced] = {}
@@ -171,7 +163,7 @@ class Reconciler:
         now (the store's, read at the election), and forget the last term's plans."""
         self._settle.begin(self._registry.known)
         self._guard_held_at = None
-        self._unanswered.clear()
+        self.placing.clear()
         self._unhealthy_since.clear()
         self._retiring.clear()
         self._unplaced.clear()
@@ -296,7 +288,7 @@ class Reconciler:
             if isinstance(action, Stop):
                 self._stop_soon(action)
         placed_models = set()
-        placer = self.placer() if starts else None
+        placer = self.placing.placer() if starts else None
         for action in starts:
             m = catalog.model(action.model_name)
             if m is not None and placer is not None:
@@ -333,7 +325,7 @@ class Reconciler:
         except StaleEpoch as exc:
             self._registry.stale_epoch(action.node_id, exc)
         except DeadlineExceeded as exc:
-            self._unanswered[action.node_id] = self._clock()
+            self.placing.unanswered(action.node_id)
             log.warning("stopping %s: node %s %s", action.shard_id, action.node_id, exc)
             self._registry.events.command_stuck(
                 action.node_id, f"node {action.node_id} {exc}", shard_id=action.shard_id
@@ -347,67 +339,19 @@ class Reconciler:
     def _note_stop(self, action: Stop) -> None:
         _note_stop(self._registry, self._last_plan, action)
 
-    def facts(self) -> list[core.NodeFacts]:
-        held = self._registry.cordoned.keys() | self._registry.draining.keys()
-        out = []
-        for rec in self._registry.records():
-            facts = attrs.evolve(
-                core.node_facts(rec, self._registry.engines), cordoned=rec.node_id in held
-            )
-            if self._silent_since_unanswered(rec):
-                facts = attrs.evolve(facts, ready=False, state="did not answer the last call")
-            out.append(facts)
-        return out
-
-    def _silent_since_unanswered(self, rec: NodeRecord) -> bool:
-        """A node that did not answer a call, and has not been heard from since: placement
-        leaves it out, so the next pass does not send it the same start again."""
-        when = self._unanswered.get(rec.node_id)
-        if when is None:
-            return False
-        if rec.liveness.last_seen > when:
-            del self._unanswered[rec.node_id]
-            return False
-        return True
-
-    def allocations(self) -> core.Allocations:
-        # Starts in flight hold their cards too: the next pass must not give them again.
-        return core.allocations(self._registry.records(), self._flying())
-
     def _flying(self) -> list[tuple[str, model.ShardSpec]]:
         """Every rank of the starts in flight: (node, spec)."""
         return [rank for p in self._pending.values() for rank in p.ranks]
 
-    def placer(self) -> core.Placer:
-        """The fleet indexed once; place several replicas with it, adding each."""
-        return core.Placer(self.facts(), self.allocations())
-
     def try_place(
         self, m: CatalogModel, placer: core.Placer | None = None
     ) -> tuple[Profile, core.Placement] | Unplaced:
-        placer = placer or self.placer()
-        reasons: list[str] = []
-        for i, profile in enumerate(m.profiles):
-            result = placer.place(core.placement_profile(m, profile, self._weights_bytes(m.source)))
-            if isinstance(result, core.Placement):
-                return profile, result
-            prefix = f"profile {i} ({profile.engine}, {profile.gpu_class or 'cpu'}): "
-            if len(m.profiles) == 1:
-                prefix = ""
-            reasons += [prefix + r for r in result.reasons] or [prefix + "no node"]
-        return Unplaced(m.name, tuple(reasons))
-
-    def _weights_bytes(self, source: str) -> int | None:
-        got = self._sizes(source) if self._sizes is not None else None
-        return None if isinstance(got, Measuring) else got
-
-    def _measuring(self, m: CatalogModel) -> bool:
-        return self._sizes is not None and isinstance(self._sizes(m.source), Measuring)
+        return self.placing.try_place(m, placer)
 
     def _start_soon(self, m: CatalogModel, placer: core.Placer) -> None:
         """Place one replica now (synchronously, so the pass's next placement sees its
         cards taken) and send its start in a task of its own."""
-        if self._measuring(m):
+        if self.placing.measuring(m):
             # Its size comes within the size task's deadline, and that round pokes us:
             # placing now could start a fetch onto a disk that cannot hold it.
             log.debug("placing %s waits for the size of %s", m.name, m.source)
@@ -462,7 +406,7 @@ class Reconciler:
                     blame = False
                     break
                 except DeadlineExceeded as exc:
-                    self._unanswered[node_id] = self._clock()
+                    self.placing.unanswered(node_id)
                     failure = f"node {node_id} {exc}"
                     self._registry.events.command_stuck(node_id, failure, shard_id=spec.shard_id,
                                                         replica_id=replica_id,
