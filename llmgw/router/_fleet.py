@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -212,10 +212,13 @@ class Fleet:
         self.maybe_refresh()
         return self._traffic
 
-    def serving(self) -> set[str]:
-        """The served names with an endpoint that answers its metrics: what a split may
-        draw (a version still loading, or all down, takes none of the split's share)."""
-        return {name for name, m in self._known.items() if any(s.healthy for s in m.endpoints)}
+    def serving(self, names: Iterable[str] | None = None) -> set[str]:
+        """The served names (of `names`; None: all) with an endpoint that answers its
+        metrics: what a split may draw (a version still loading, or all down, takes none
+        of the split's share) and what /v1/models lists."""
+        known = self._known
+        models = (known[n] for n in names if n in known) if names is not None else known.values()
+        return {m.name for m in models if any(s.healthy for s in m.endpoints)}
 
     def draw(self) -> float:
         """A uniform number in [0, 1) for a split's draw (the fleet's seeded generator)."""

@@ -6,6 +6,7 @@ traffic split's name (llmgw/core/_traffic.py) while one of its versions is.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from llmgw.core import TrafficSplit
@@ -18,7 +19,7 @@ __all__ = ["is_listed", "listed", "model_entry"]
 class _Fleet(Protocol):
     def models(self) -> dict[str, Model]: ...
     def traffic(self) -> dict[str, TrafficSplit]: ...
-    def serving(self) -> set[str]: ...
+    def serving(self, names: Iterable[str] | None = None) -> set[str]: ...
 
 
 def model_entry(name: str) -> dict[str, Any]:

@@ -37,7 +37,7 @@ _HEADER_BYTES = VERSION_HEADER.encode()
 
 class _Fleet(Protocol):
     def draw(self) -> float: ...
-    def serving(self) -> set[str]: ...
+    def serving(self, names: Iterable[str] | None = None) -> set[str]: ...
 
 
 class _Counts(Protocol):
@@ -124,7 +124,7 @@ class Versions:
         choice = route(
             split,
             u=self._fleet.draw(),
-            available=self._fleet.serving(),
+            available=self._fleet.serving(v.served for v in split.versions),
             header=header,
             key_id=key.key_id if key is not None else None,
         )
