@@ -129,10 +129,13 @@ async def test_weights_change_with_the_view_and_a_version_without_replicas_takes
     async with serve_router([v1.endpoint(), v2.endpoint()], keys=KEYS) as r:
         r.source.replace([v1.endpoint(), v2.endpoint()], traffic=[split(0, 100)])
         all_v2 = await send_many(r.url, 40, auth("secret-any"))
+        # `ctl route qwen` (POST /api/v1/route) explains the version a request would draw.
+        explained = r.router.explain("qwen", "/v1/chat/completions", ask())
         # The canary's replicas gone: its share goes to v1, no request fails.
         r.source.replace([v1.endpoint()], ["qwen-v2"], traffic=[split(10, 90)])
         only_v1 = await send_many(r.url, 40, auth("secret-any"))
     assert Counter(m for _, m, _ in all_v2) == {"qwen-v2": 40}
+    assert (explained["model"], explained["chosen"]) == ("qwen-v2", v2.endpoint().endpoint_id)
     assert Counter((s, m) for s, m, _ in only_v1) == {(200, "qwen-v1"): 40}
 
 
