@@ -17,7 +17,7 @@ import pytest
 from helpers import REPO
 
 from llmgw import config
-from llmgw.cp._fleet import _catalog, _engines
+from llmgw.cp._fleet import _catalog, _engines, _traffic
 from llmgw.router._main import RouterFile
 from llmgw.router._router import RouterConfig
 
@@ -114,6 +114,7 @@ LOADED = [
     _engines.ArchiveConfig,
     _catalog.CatalogModel,
     _catalog.Profile,
+    _traffic.TrafficEntry,
 ]
 
 

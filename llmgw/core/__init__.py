@@ -88,6 +88,14 @@ from llmgw.core._shard import RUNNING as RUNNING_SHARD_STATES
 from llmgw.core._shard import HealthRun, ShardEvent
 from llmgw.core._shard import InvalidTransition as InvalidShardTransition
 from llmgw.core._shard import next_state as next_shard_state
+from llmgw.core._traffic import (
+    TrafficChoice,
+    TrafficPinError,
+    TrafficSplit,
+    TrafficVersion,
+    route,
+    shares,
+)
 from llmgw.core._units import bytes_text
 from llmgw.core._weights import (
     MARKER,
@@ -190,6 +198,10 @@ __all__ = [
     "Start",
     "Stop",
     "Tick",
+    "TrafficChoice",
+    "TrafficPinError",
+    "TrafficSplit",
+    "TrafficVersion",
     "Tree",
     "TreeDir",
     "TreeFile",
@@ -224,6 +236,8 @@ __all__ = [
     "reconcile",
     "registered",
     "rollout_model",
+    "route",
+    "shares",
     "socket_interface",
     "step",
     "wanted_cache_names",

@@ -9,7 +9,8 @@ worker, JSON lines both ways:
 
     worker -> cp   {"hello": i, "pid": P}                           once
     cp -> worker   {"router": {...}, "store": WHERE, "admin_key": PATH}  once (server.yaml)
-    cp -> worker   {"version": V, "endpoints": {model: [[id, model, engine, host, port, slots]]}}
+    cp -> worker   {"version": V, "endpoints": {model: [[id, model, engine, host, port, slots]]},
+                    "traffic": {split: {versions, keys}}}  (llmgw.router.encode_traffic)
                    at once, then whenever the fleet view's version moves (checked every 100 ms)
     worker -> cp   {"version": V, "in_flight": {endpoint id: n}}    every 200 ms, and at once
                    after applying a new view (absent ids: 0)
@@ -51,6 +52,7 @@ import trio
 
 from llmgw import config
 from llmgw._process import run_service, setup_logging
+from llmgw.core import TrafficSplit
 from llmgw.cp._admin import read_admin_key
 from llmgw.router import (
     Endpoint,
@@ -58,6 +60,8 @@ from llmgw.router import (
     Router,
     RouterConfig,
     StoreKeys,
+    decode_traffic,
+    encode_traffic,
     keep_worker,
     listener_limits,
     metrics_app,
@@ -109,6 +113,7 @@ def _encode(source: EndpointSource) -> dict[str, Any]:
             name: [[e.endpoint_id, e.model, e.engine, e.host, e.port, e.slots] for e in eps]
             for name, eps in snap.items()
         },
+        "traffic": encode_traffic(source.traffic()),
     }
 
 
@@ -262,6 +267,7 @@ class RemoteEndpoints:
     def __init__(self) -> None:
         self._version = -1
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
+        self._traffic: dict[str, TrafficSplit] = {}
 
     @property
     def version(self) -> int:
@@ -269,6 +275,9 @@ class RemoteEndpoints:
 
     def snapshot(self) -> Mapping[str, tuple[Endpoint, ...]]:
         return self._snapshot
+
+    def traffic(self) -> Mapping[str, TrafficSplit]:
+        return self._traffic
 
     def apply(self, view: Mapping[str, Any]) -> None:
         self._snapshot = {
@@ -278,6 +287,7 @@ class RemoteEndpoints:
             )
             for name, eps in view["endpoints"].items()
         }
+        self._traffic = decode_traffic(view.get("traffic"))
         self._version = int(view["version"])
 
 

@@ -61,6 +61,9 @@ def status(args: argparse.Namespace) -> int:
     if line is not None:
         print(line)
     print(_tables.format_status(data["models"], now=time.time()))
+    if data.get("traffic"):
+        print()
+        print(_tables.format_traffic(data["traffic"]))
     fabrics = _weights.format_fabrics(data.get("fabrics") or [])
     if fabrics:
         print()

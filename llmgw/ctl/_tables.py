@@ -254,6 +254,19 @@ def format_status(models: list[dict[str, Any]], *, now: float) -> str:
     return table(("MODEL", "DESIRED", "READY", "NOTE"), rows)
 
 
+def format_traffic(splits: list[dict[str, Any]]) -> str:
+    """`ctl status`'s splits: each version's weight, its share of the drawn requests now
+    (a version with no ready replica takes none), its ready replicas and pinned keys."""
+    rows = []
+    for split in splits:
+        for i, v in enumerate(split["versions"]):
+            rows.append((
+                split["name"] if i == 0 else "", v["model"], str(v["weight"]),
+                f"{v['share'] * 100:.0f} %", str(v["ready"]), ", ".join(v["keys"]) or "-",
+            ))  # fmt: skip
+    return table(("SPLIT", "VERSION", "WEIGHT", "SHARE", "READY", "PINNED KEYS"), rows)
+
+
 def format_route(data: dict[str, Any]) -> str:
     """`ctl route`: the router's choice and why, the request's size, the bound, and each
     candidate endpoint (the chosen one starred)."""

@@ -23,6 +23,7 @@ from llmgw.router._router import (
 )
 from llmgw.router._server import serve as serve_http
 from llmgw.router._surface import HttpError
+from llmgw.router._traffic import VERSION_HEADER, decode_traffic, encode_traffic
 from llmgw.router._types import Endpoint, EndpointSource, StaticEndpoints
 from llmgw.web.limits import ListenerLimits
 
@@ -30,6 +31,7 @@ __all__ = [
     "DEFAULT_BANDS",
     "EXPLAIN_HEADER",
     "PRIORITY_HEADER",
+    "VERSION_HEADER",
     "CachedKeys",
     "Endpoint",
     "EndpointSource",
@@ -41,6 +43,8 @@ __all__ = [
     "StaticEndpoints",
     "StaticKeys",
     "StoreKeys",
+    "decode_traffic",
+    "encode_traffic",
     "keep_worker",
     "listener_limits",
     "metrics_app",

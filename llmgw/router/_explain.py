@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from llmgw.core import Decision, explain
+from llmgw.core import Decision, TrafficChoice, explain, route
 from llmgw.router import _surface
 from llmgw.router._fleet import Fleet
 from llmgw.router._record import Prompt
@@ -49,7 +49,15 @@ class AdminKey:
 def explanation(
     fleet: Fleet, name: str, prompt: Prompt | None, affinity: str | None = None
 ) -> dict[str, Any]:
-    """The decision for a request to the model `name` now, as JSON; 404 for an unknown one."""
+    """The decision for a request to the model `name` now, as JSON; 404 for an unknown one.
+    A traffic split's name is explained for a version drawn as a request's would be
+    (its `model` says which)."""
+    split = fleet.traffic().get(name)
+    if split is not None:
+        served = fleet.serving(v.served for v in split.versions)
+        drawn = route(split, u=fleet.draw(), available=served)
+        if isinstance(drawn, TrafficChoice):  # no pin asked: always a choice
+            name = drawn.version.served
     model = fleet.models().get(name)
     if model is None:
         raise _surface.unknown_model(name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -34,6 +34,7 @@ from llmgw.core import (
     Queued,
     RequestEstimate,
     ScoringConfig,
+    TrafficSplit,
     decide,
 )
 from llmgw.router._config import RouterConfig
@@ -180,6 +181,7 @@ class Fleet:
         )
         self._models: dict[str, Model] = {}  # every name ever listed (their admission stays)
         self._known: dict[str, Model] = {}  # what the source lists now
+        self._traffic: dict[str, TrafficSplit] = {}  # split name -> its versions
         self._states: dict[str, EndpointState] = {}
         # Endpoints that left the source's list with requests still on them: their
         # counts stay readable (`in_flight`) until the last one ends (a drain waits on it).
@@ -203,6 +205,24 @@ class Fleet:
 
     def endpoint_states(self) -> dict[str, EndpointState]:
         return self._states
+
+    def traffic(self) -> dict[str, TrafficSplit]:
+        """The splits the source lists now (llmgw/core/_traffic.py), re-read first when it
+        changed."""
+        self.maybe_refresh()
+        return self._traffic
+
+    def serving(self, names: Iterable[str] | None = None) -> set[str]:
+        """The served names (of `names`; None: all) with an endpoint that answers its
+        metrics: what a split may draw (a version still loading, or all down, takes none
+        of the split's share) and what /v1/models lists."""
+        known = self._known
+        models = (known[n] for n in names if n in known) if names is not None else known.values()
+        return {m.name for m in models if any(s.healthy for s in m.endpoints)}
+
+    def draw(self) -> float:
+        """A uniform number in [0, 1) for a split's draw (the fleet's seeded generator)."""
+        return self._rng.random()
 
     def in_flight(self, endpoint_id: str) -> int:
         """Requests being proxied to this endpoint now, whether or not it is still listed.
@@ -307,6 +327,7 @@ class Fleet:
             self.wake(model.admission.set_concurrency(self._concurrency(model), now))
         self._states = states
         self._known = known
+        self._traffic = dict(self._source.traffic())
         log.debug("endpoints now: %s", {n: len(m.endpoints) for n, m in known.items()})
 
     def slots_changed(self, state: EndpointState) -> None:

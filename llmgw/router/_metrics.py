@@ -135,6 +135,13 @@ class RouterMetrics:
             ["model", "endpoint", "phase"],
             registry=registry,
         )
+        self.traffic = Counter(
+            "llmgw_router_traffic_requests",
+            "Requests for a traffic split's name, by the version (catalog model) that got "
+            "them and how: split (drawn by weight), header (X-LLMGW-Version), key (the key's pin)",
+            ["split", "version", "how"],
+            registry=registry,
+        )
         self.tenant_requests = Counter(
             "llmgw_tenant_requests",
             "Inference requests its limits let through, by tenant, however they ended",
@@ -189,6 +196,10 @@ class RouterMetrics:
 
     def refused(self, model: str, band: str, reason: str) -> None:
         self.refusals.labels(model, band, reason).inc()
+
+    def traffic_routed(self, split: str, version: str, how: str) -> None:
+        """A request for `split` goes to `version` (names from server.yaml only)."""
+        self.traffic.labels(split, version, how).inc()
 
     def retried(self, model: str) -> None:
         self.retries.labels(model).inc()

@@ -1,7 +1,8 @@
 """The router: one OpenAI-compatible endpoint in front of many replicas.
 
 Per request, in this module: parse the route and the body (llmgw/router/_surface.py)
--> authenticate (the key cache, no store round trip) -> model known (404) and
+-> authenticate (the key cache, no store round trip) -> a traffic split's name to
+one version (llmgw/router/_traffic.py, llmgw/core/_traffic.py) -> model known (404) and
 allowed for the key (403) -> priority band (header `X-LLMGW-Priority`, else the
 key's default, capped at the key's highest band) and the tenant's limits ->
 admission (concurrency limit and queue per model, llmgw/core/_admission.py) ->
@@ -34,7 +35,7 @@ from prometheus_client import CollectorRegistry
 from llmgw.core import Band, Queued, Reject, ScoringConfig, chain
 from llmgw.errors import LlmgwError
 from llmgw.keys import ApiKey
-from llmgw.router import _request_id, _server, _surface
+from llmgw.router import _listing, _request_id, _server, _surface
 from llmgw.router._attempt import Attempts
 from llmgw.router._bands import PRIORITY_HEADER, Bands
 from llmgw.router._config import DEFAULT_BANDS as DEFAULT_BANDS
@@ -50,6 +51,7 @@ from llmgw.router._scraper import EndpointState, Scraper
 from llmgw.router._surface import HttpError, Route
 from llmgw.router._tenants import TenantLimiter
 from llmgw.router._tenants import share as share
+from llmgw.router._traffic import Versions, renamed, with_version
 from llmgw.router._types import EndpointSource
 from llmgw.router._upstream import Timeouts
 from llmgw.router._usage import UsageMeter, UsageSink
@@ -120,6 +122,7 @@ class Router:
         self.fleet = Fleet(config, endpoints, worker=worker, rng=rng)
         self.metrics_registry = registry if registry is not None else CollectorRegistry()
         self.metrics = RouterMetrics(self.metrics_registry, self.fleet)
+        self._versions = Versions(self.fleet, self.metrics)
         self._bands = Bands(config.bands, self.tenants, self.metrics.tenant_refused)
         self._attempts = Attempts(
             self.fleet,
@@ -304,14 +307,8 @@ class Router:
 
     async def _list_models(self, scope: Scope, send: Send, record: Record) -> None:
         key = await self._authenticate(scope)
-        created = 0
-        data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
-            for name, model in sorted(self.fleet.models().items())
-            if key.may_use(name) and any(s.healthy for s in model.endpoints)
-        ]
         record.status = 200
-        await send_json(send, 200, {"object": "list", "data": data})
+        await send_json(send, 200, {"object": "list", "data": _listing.listed(self.fleet, key)})
 
     async def _get_model(self, scope: Scope, send: Send, record: Record, name: str) -> None:
         """OpenAI's `GET /v1/models/{model}`: a model GET /v1/models lists, else 404.
@@ -319,13 +316,10 @@ class Router:
         A served name may hold slashes (`org/model`): the rest of the path is the name.
         """
         key = await self._authenticate(scope)
-        model = self.fleet.models().get(name)
-        if model is None or not key.may_use(name) or not any(s.healthy for s in model.endpoints):
+        if not _listing.is_listed(self.fleet, key, name):
             raise _surface.model_not_listed(name)
         record.status = 200
-        await send_json(
-            send, 200, {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-        )
+        await send_json(send, 200, _listing.model_entry(name))
 
     # --- the request path: parse -> authenticate -> admit -> attempt ----------------------
 
@@ -396,6 +390,15 @@ class Router:
         else:
             request, name = _surface.parse_json(body, route.required, self.config.max_json_depth)
             stream = request.get("stream") is True
+        wanted, split = name, self.fleet.traffic().get(name)
+        if split is not None:  # a split's name: one version answers (llmgw/core/_traffic.py)
+            asking = None if explaining else key
+            version = self._versions.choose(split, scope["headers"], asking, route.body == "form")
+            name, send = version.served, with_version(send, version)
+        if route.body != "form":
+            if split is not None:
+                request = {**request, "model": name}
+                body = renamed(request)
             prompt = self._prompt(path, request)
             if stream and not explaining:
                 asked = _surface.ask_usage(path, request)
@@ -416,8 +419,8 @@ class Router:
         if model is None:
             raise _surface.unknown_model(name)
         record.model = name
-        if not key.may_use(name):
-            raise _surface.model_not_allowed(key.key_id, name)
+        if not key.may_use(wanted):
+            raise _surface.model_not_allowed(key.key_id, wanted)
         band = self._bands.band(scope["headers"], key)
         record.band = band.name
         self._bands.admit_tenant(key, band)

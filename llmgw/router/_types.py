@@ -7,6 +7,8 @@ from typing import Protocol
 
 import attrs
 
+from llmgw.core import TrafficSplit
+
 
 @attrs.frozen
 class Endpoint:
@@ -37,8 +39,11 @@ class EndpointSource(Protocol):
     `snapshot()` maps each served name the catalog knows to its ready
     endpoints; a known model with no ready replica maps to an empty tuple (the
     router answers 503 for it, and 404 for a name that is absent). `version`
-    changes whenever the snapshot would; the router re-reads only then, so
-    `snapshot()` may be as costly as it likes.
+    changes whenever the snapshot (or the traffic) would; the router re-reads only
+    then, so `snapshot()` may be as costly as it likes.
+
+    `traffic()` maps each split name (server.yaml `traffic:`) to its versions, each
+    listed in the snapshot under its served name (llmgw/core/_traffic.py).
     """
 
     @property
@@ -46,14 +51,22 @@ class EndpointSource(Protocol):
 
     def snapshot(self) -> Mapping[str, tuple[Endpoint, ...]]: ...
 
+    def traffic(self) -> Mapping[str, TrafficSplit]: ...
+
 
 class StaticEndpoints:
     """A fixed list of endpoints (router-only mode); `replace` swaps it at run time."""
 
-    def __init__(self, endpoints: Iterable[Endpoint] = (), models: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        endpoints: Iterable[Endpoint] = (),
+        models: Iterable[str] = (),
+        traffic: Iterable[TrafficSplit] = (),
+    ) -> None:
         self._version = 0
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
-        self.replace(endpoints, models)
+        self._traffic: dict[str, TrafficSplit] = {}
+        self.replace(endpoints, models, traffic)
 
     def __repr__(self) -> str:
         sizes = {m: len(e) for m, e in self._snapshot.items()}
@@ -66,8 +79,17 @@ class StaticEndpoints:
     def snapshot(self) -> Mapping[str, tuple[Endpoint, ...]]:
         return self._snapshot
 
-    def replace(self, endpoints: Iterable[Endpoint], models: Iterable[str] = ()) -> None:
-        """Swap the list; `models` names served names to keep known with no endpoint."""
+    def traffic(self) -> Mapping[str, TrafficSplit]:
+        return self._traffic
+
+    def replace(
+        self,
+        endpoints: Iterable[Endpoint],
+        models: Iterable[str] = (),
+        traffic: Iterable[TrafficSplit] = (),
+    ) -> None:
+        """Swap the list; `models` names served names to keep known with no endpoint,
+        `traffic` the splits over them."""
         snap: dict[str, list[Endpoint]] = {m: [] for m in models}
         seen: set[str] = set()
         for ep in endpoints:
@@ -76,4 +98,5 @@ class StaticEndpoints:
             seen.add(ep.endpoint_id)
             snap.setdefault(ep.model, []).append(ep)
         self._snapshot = {m: tuple(eps) for m, eps in snap.items()}
+        self._traffic = {t.name: t for t in traffic}
         self._version += 1

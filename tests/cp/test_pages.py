@@ -11,6 +11,7 @@ import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 from helpers import FakeAgent, register
@@ -529,3 +530,23 @@ def test_the_control_plane_serves_the_pages_on_its_admin_listener(cluster: Local
         # The JSON API beside it is unchanged: its Bearer key, not the cookie.
         assert client.get("/api/v1/nodes").status_code == 401
         assert client.get("/healthz").status_code == 200
+
+
+async def test_the_cluster_page_shows_each_traffic_split_as_ctl_status_does(fleet: Fleet) -> None:
+    split = core.TrafficSplit(
+        "chat",
+        (core.TrafficVersion("tiny", "tiny", 90), core.TrafficVersion("big", "big", 10)),
+        (("key-qa", "big"),),
+    )
+    fleet.catalog.catalog = attrs.evolve(fleet.catalog.catalog, traffic=(split,))
+    async with fleet.client() as client:
+        await _login(client)
+        html = (await client.get("/admin/")).text
+    # No replica of either is ready: neither can be drawn, so the weights decide as if
+    # all were (the router then answers 503 naming the version drawn).
+    assert _cell(html, 'data-version="chat/tiny"', "weight") == "90"
+    assert _cell(html, 'data-version="chat/tiny"', "share") == "90 %"
+    assert _cell(html, 'data-version="chat/big"', "share") == "10 %"
+    assert _cell(html, 'data-version="chat/big"', "ready") == "0"
+    assert _cell(html, 'data-version="chat/big"', "keys") == "key-qa"
+    assert _cell(html, 'data-version="chat/tiny"', "keys") == "-"

@@ -9,9 +9,10 @@ from typing import Any, Protocol
 
 import trio
 
-from llmgw import config
+from llmgw import config, core
 from llmgw.cp._admin._common import NODES_PER_SLICE
 from llmgw.cp._admin._http import HttpError, Route, expect, route
+from llmgw.cp._fleet._catalog import Catalog
 from llmgw.cp._fleet._catalog_file import CatalogFile
 from llmgw.cp._fleet._placing import Unplaced
 from llmgw.cp._fleet._reconciler import Reconciler
@@ -172,7 +173,12 @@ class Models:
             for f in _holdings.fabric_holdings(inventories, pairs, holds)
         ]
         # passes, settling, holding...: a test waits for a pass instead of sleeping.
-        return 200, {"models": out, "fabrics": fabrics, "reconciler": reconciler.statistics()}
+        return 200, {
+            "models": out,
+            "traffic": traffic_json(catalog.catalog, {m["model"]: m["ready"] for m in out}),
+            "fabrics": fabrics,
+            "reconciler": reconciler.statistics(),
+        }
 
     async def place(self, body: Any, **_: Any) -> tuple[int, Any]:
         reconciler, catalog = self._need_catalog()
@@ -203,6 +209,33 @@ class Models:
             return 200, self._router.explain(asked["model"], path, asked["request"])
         except RouterHttpError as exc:
             raise HttpError(exc.status, str(exc)) from None
+
+
+def traffic_json(catalog: Catalog, ready: dict[str, int]) -> list[dict[str, Any]]:
+    """Each split (server.yaml `traffic:`): its versions' weights, ready replicas, and
+    share of the drawn requests now (a version with none ready takes none; the router
+    draws the same way, llmgw/core/_traffic.py), and the keys pinned to each."""
+    out = []
+    for split in catalog.traffic:
+        serving = {v.served for v in split.versions if ready.get(v.model, 0) > 0}
+        shares = core.shares(split, serving)
+        out.append(
+            {
+                "name": split.name,
+                "versions": [
+                    {
+                        "model": v.model,
+                        "served": v.served,
+                        "weight": v.weight,
+                        "share": shares[v.model],
+                        "ready": ready.get(v.model, 0),
+                        "keys": [k for k, m in split.keys if m == v.model],
+                    }
+                    for v in split.versions
+                ],
+            }
+        )
+    return out
 
 
 def progress_json(p: FetchProgress) -> dict[str, Any]:

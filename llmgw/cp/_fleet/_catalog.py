@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from llmgw import config, core, engines
+from llmgw.cp._fleet import _traffic
 from llmgw.errors import ConfigError
 
 _CLASS = re.compile(r"^[a-z0-9][a-z0-9-]*-\d+g$")
@@ -90,6 +91,8 @@ class CatalogFile:
 @attrs.frozen
 class Catalog:
     models: tuple[CatalogModel, ...] = ()
+    # server.yaml's `traffic:`: served names split between models (llmgw/cp/_fleet/_traffic.py)
+    traffic: tuple[core.TrafficSplit, ...] = ()
 
     def model(self, name: str) -> CatalogModel | None:
         return next((m for m in self.models if m.name == name), None)
@@ -126,8 +129,9 @@ def engine_profile(model: CatalogModel, profile: Profile) -> engines.EngineProfi
     )
 
 
-def validate_catalog(catalog: Catalog, source: str) -> None:
-    problems: list[str] = []
+def validate_catalog(catalog: Catalog, source: str, problems: list[str] | None = None) -> None:
+    """Raises ConfigError listing every problem (`problems`: found before, e.g. in traffic)."""
+    problems = list(problems or ())
     names: set[str] = set()
     served: dict[str, str] = {}
     for i, m in enumerate(catalog.models):
@@ -205,6 +209,8 @@ def parse(data: Any, source: str) -> Catalog:
     """The catalog from server.yaml's parsed data (other keys are ServerConfig's)."""
     models = data.get("models", []) if isinstance(data, dict) else []
     parsed = config.structure({"models": models}, CatalogFile, source)
-    catalog = Catalog(models=tuple(parsed.models))
-    validate_catalog(catalog, source)
+    traffic = data.get("traffic") if isinstance(data, dict) else None
+    splits, problems = _traffic.parse(traffic, tuple(parsed.models), source)
+    catalog = Catalog(models=tuple(parsed.models), traffic=splits)
+    validate_catalog(catalog, source, problems)
     return catalog

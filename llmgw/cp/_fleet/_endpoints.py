@@ -19,13 +19,14 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
+import attrs
 import trio
 
 from llmgw import core, model
 from llmgw.cp._fleet._catalog import Catalog
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.errors import LlmgwError
-from llmgw.router import Endpoint, EndpointSource
+from llmgw.router import Endpoint, EndpointSource, decode_traffic, encode_traffic
 
 log = logging.getLogger("llmgw.cp.endpoints")
 
@@ -47,6 +48,7 @@ class FleetEndpoints:
         self._retiring = retiring  # replica ids the router must send nothing new
         self._version = 0
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
+        self._traffic: dict[str, core.TrafficSplit] = {}
         self._stale = True
 
     def __repr__(self) -> str:
@@ -63,6 +65,11 @@ class FleetEndpoints:
         if self._stale:
             self._recompute()
         return self._snapshot
+
+    def traffic(self) -> Mapping[str, core.TrafficSplit]:
+        if self._stale:
+            self._recompute()
+        return self._traffic
 
     def refresh(self) -> None:
         """Something changed: recompute when the list is next read.
@@ -99,9 +106,21 @@ class FleetEndpoints:
         snapshot = {
             name: tuple(sorted(eps, key=lambda e: e.endpoint_id)) for name, eps in served.items()
         }
-        if snapshot != self._snapshot:
+        traffic = {t.name: _served_now(t, catalog) for t in catalog.traffic}
+        if snapshot != self._snapshot or traffic != self._traffic:
             self._snapshot = snapshot
+            self._traffic = traffic
             self._version += 1
+
+
+def _served_now(split: core.TrafficSplit, catalog: Catalog) -> core.TrafficSplit:
+    """The split with each version under the served name its model runs now (an undone
+    model runs its pinned entry, whose served names may differ from server.yaml's)."""
+    versions = []
+    for v in split.versions:
+        m = catalog.model(v.model)
+        versions.append(attrs.evolve(v, served=m.names[0]) if m is not None else v)
+    return attrs.evolve(split, versions=tuple(versions))
 
 
 # --- the standby's view: the leader's list, through the store --------------------------
@@ -116,8 +135,12 @@ READ_EVERY_S = 1.0
 PUBLISHED_MAX_BYTES = 16 << 20  # a list larger than this is nobody's fleet
 
 
-def encode_endpoints(snapshot: Mapping[str, tuple[Endpoint, ...]]) -> str:
-    """The list as published: {"models": {name: [endpoint, ...]}} (sorted, stable)."""
+def encode_endpoints(
+    snapshot: Mapping[str, tuple[Endpoint, ...]],
+    traffic: Mapping[str, core.TrafficSplit] | None = None,
+) -> str:
+    """The list as published: {"models": {name: [endpoint, ...]}, "traffic": {...}}
+    (sorted, stable; the splits in `llmgw.router.encode_traffic`'s form)."""
     return json.dumps(
         {
             "models": {
@@ -132,10 +155,20 @@ def encode_endpoints(snapshot: Mapping[str, tuple[Endpoint, ...]]) -> str:
                     for e in eps
                 ]
                 for name, eps in sorted(snapshot.items())
-            }
+            },
+            "traffic": encode_traffic(traffic or {}),
         },
         sort_keys=True,
     )
+
+
+def decode_published(
+    text: str,
+) -> tuple[dict[str, tuple[Endpoint, ...]], dict[str, core.TrafficSplit]]:
+    """The published list and splits back (a leader from before the splits published
+    none); raises ValueError naming what is wrong."""
+    models = decode_endpoints(text)
+    return models, decode_traffic(json.loads(text).get("traffic"))
 
 
 def decode_endpoints(text: str) -> dict[str, tuple[Endpoint, ...]]:
@@ -210,7 +243,7 @@ class EndpointPublisher:
                 continue
             try:
                 ok = await self._store.publish_endpoints(
-                    mark[0], encode_endpoints(self._source.snapshot())
+                    mark[0], encode_endpoints(self._source.snapshot(), self._source.traffic())
                 )
             except LlmgwError as exc:
                 log.warning("publishing the endpoint list failed (retried): %s", exc)
@@ -233,6 +266,7 @@ class PublishedEndpoints:
         self.every_s = every_s
         self._version = 0
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
+        self._traffic: dict[str, core.TrafficSplit] = {}
         self._seen: tuple[int, str] | None = None
         self.reading = True  # False while this control plane leads: nothing to read
 
@@ -243,12 +277,21 @@ class PublishedEndpoints:
     def snapshot(self) -> Mapping[str, tuple[Endpoint, ...]]:
         return self._snapshot
 
-    def adopt(self, snapshot: Mapping[str, tuple[Endpoint, ...]]) -> None:
+    def traffic(self) -> Mapping[str, core.TrafficSplit]:
+        return self._traffic
+
+    def adopt(
+        self,
+        snapshot: Mapping[str, tuple[Endpoint, ...]],
+        traffic: Mapping[str, core.TrafficSplit] | None = None,
+    ) -> None:
         """Start from this list (what this control plane routed to as the leader) until
         the store answers with the leader's: a leader deposed because the store is
         down keeps routing to the engines it knew, instead of to nothing."""
-        if dict(snapshot) != self._snapshot:
+        traffic = dict(traffic or {})
+        if dict(snapshot) != self._snapshot or traffic != self._traffic:
             self._snapshot = dict(snapshot)
+            self._traffic = traffic
             self._version += 1
         self._seen = None  # the next read replaces it, whatever it holds
 
@@ -260,9 +303,10 @@ class PublishedEndpoints:
         if (epoch, body) == self._seen:
             return
         self._seen = (epoch, body)
-        snapshot = decode_endpoints(body)
-        if snapshot != self._snapshot:
+        snapshot, traffic = decode_published(body)
+        if snapshot != self._snapshot or traffic != self._traffic:
             self._snapshot = snapshot
+            self._traffic = traffic
             self._version += 1
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -294,14 +338,16 @@ class RoleEndpoints:
         # The fleet's list as last read while leading: the published list starts from it
         # on a deposition (PublishedEndpoints.adopt).
         self._last_fleet: Mapping[str, tuple[Endpoint, ...]] | None = None
+        self._last_traffic: Mapping[str, core.TrafficSplit] | None = None
 
     def _current(self) -> EndpointSource:
         leading = self._leading()
         if leading:
             self._last_fleet = self._fleet.snapshot()
+            self._last_traffic = self._fleet.traffic()
         elif self._last_fleet is not None:
-            self._published.adopt(self._last_fleet)
-            self._last_fleet = None
+            self._published.adopt(self._last_fleet, self._last_traffic)
+            self._last_fleet = self._last_traffic = None
         self._published.reading = not leading
         src: EndpointSource = self._fleet if leading else self._published
         mark = (leading, src.version)
@@ -317,3 +363,6 @@ class RoleEndpoints:
 
     def snapshot(self) -> Mapping[str, tuple[Endpoint, ...]]:
         return self._current().snapshot()
+
+    def traffic(self) -> Mapping[str, core.TrafficSplit]:
+        return self._current().traffic()

@@ -153,7 +153,7 @@ class Rollouts:
                 out.append(config.structure(mr.pin.version.spec, CatalogModel, f"undo of {m.name}"))
             else:
                 out.append(m)
-        return Catalog(models=tuple(out))
+        return Catalog(models=tuple(out), traffic=catalog.traffic)  # the splits stay
 
     def _drop_lapsed_pins(self, catalog: Catalog) -> None:
         for m in catalog.models:

@@ -274,6 +274,7 @@ def make_pages(
         return {
             "nodes": [_view.node_row(n, now) for n in nodes.get("nodes", [])],
             "models": [{**m, "stale": stale.get(m["model"], 0)} for m in models],
+            "traffic": st.get("traffic", []) if status == 200 else [],
             "events": events,
         }
 

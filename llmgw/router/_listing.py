@@ -1,0 +1,43 @@
+"""`GET /v1/models` and `GET /v1/models/{model}`: what a key may ask for and can get now.
+
+A served name is listed while one of its endpoints answers its metrics; a
+traffic split's name (llmgw/core/_traffic.py) while one of its versions is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from llmgw.core import TrafficSplit
+from llmgw.keys import ApiKey
+from llmgw.router._fleet import Model
+
+__all__ = ["is_listed", "listed", "model_entry"]
+
+
+class _Fleet(Protocol):
+    def models(self) -> dict[str, Model]: ...
+    def traffic(self) -> dict[str, TrafficSplit]: ...
+    def serving(self, names: Iterable[str] | None = None) -> set[str]: ...
+
+
+def model_entry(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+
+
+def _names(fleet: _Fleet) -> set[str]:
+    serving = fleet.serving()
+    splits = {
+        name for name, t in fleet.traffic().items() if any(v.served in serving for v in t.versions)
+    }
+    return serving | splits
+
+
+def listed(fleet: _Fleet, key: ApiKey) -> list[dict[str, Any]]:
+    """The models `GET /v1/models` lists for `key`, sorted."""
+    return [model_entry(name) for name in sorted(_names(fleet)) if key.may_use(name)]
+
+
+def is_listed(fleet: _Fleet, key: ApiKey, name: str) -> bool:
+    return key.may_use(name) and name in _names(fleet)
