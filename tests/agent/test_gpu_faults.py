@@ -1,0 +1,154 @@
+"""The agent's GPU-fault watch (llmgw/agent/_gpu_faults.py): the kernel log followed,
+recorded Xid lines given their card by PCI address, ECC counts, NVML's events."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from llmgw import model
+from llmgw.agent._gpu_faults import GpuFaultWatch, KernelLog
+from tests.helpers import FIXTURES
+
+XID79 = FIXTURES / "kernlog-xid79-fallen-off-bus-dmesg-T-drv535.txt"  # PCI 0000:a1:00
+XID13 = FIXTURES / "kernlog-xid13-graphics-exception-dmesg-ctime.txt"  # PCI 0000:cb:00
+
+CARDS = (
+    model.Gpu(0, "GPU-0", "NVIDIA H100 80GB HBM3", "h100-80g", pci_bus_id="00000000:CB:00.0"),
+    model.Gpu(1, "GPU-1", "NVIDIA H100 80GB HBM3", "h100-80g", pci_bus_id="00000000:A1:00.0"),
+)
+USAGE = model.Usage(gpus=(model.GpuUsage(0, ecc_uncorrected=0), model.GpuUsage(1)))
+
+
+def test_the_log_is_read_from_its_start_then_followed(tmp_path: Path) -> None:
+    path = tmp_path / "kern.log"
+    path.write_text("one\ntwo\npart")
+    log = KernelLog(path, from_start=True)  # as /dev/kmsg is read: this boot's records
+    assert log.read_new() == ["one", "two"]  # a line not ended yet waits for its end
+    with path.open("a") as f:
+        f.write("ial\nthree\n")
+    assert log.read_new() == ["partial", "three"]
+    assert log.read_new() == []
+    path.write_text("new\n")  # rotated: shorter than what was read, so read from the start
+    assert log.read_new() == ["new"]
+
+
+def test_a_syslog_file_is_followed_from_where_it_ends(tmp_path: Path) -> None:
+    path = tmp_path / "kern.log"
+    path.write_text(XID79.read_text())  # an earlier boot's Xid: not this card's news
+    watch = GpuFaultWatch(path)
+    assert watch.poll(CARDS) == 0
+    with path.open("a") as f:
+        f.write(XID13.read_text())
+    assert watch.poll(CARDS) == 4
+    assert [g.health for g in watch.annotate(USAGE).gpus] == ["ok", "ok"]
+
+
+def test_a_log_that_cannot_be_read_is_a_warning(tmp_path: Path) -> None:
+    watch = GpuFaultWatch(tmp_path / "missing")
+    assert watch.poll(CARDS) == 0
+    (warning,) = watch.warnings()
+    assert warning.startswith(f"GPU faults: cannot read {tmp_path / 'missing'} (No such file")
+    assert "gpu_fault_log" in warning
+
+
+def test_recorded_xids_go_to_the_card_with_that_pci_address(tmp_path: Path) -> None:
+    path = tmp_path / "kern.log"
+    path.write_text("")
+    watch = GpuFaultWatch(path, wall=lambda: 1000.0, from_start=True)
+    assert watch.poll(None) == 0  # no inventory yet: nothing read, nothing lost
+    path.write_text(XID13.read_text())
+    assert watch.poll(CARDS) == 4
+    usage = watch.annotate(USAGE)
+    card0, card1 = usage.gpus
+    assert card0.health == "ok" and [f.xid for f in card0.faults or ()] == [13, 13, 13, 109]
+    assert card1.health == "ok" and card1.faults == ()
+    with path.open("a") as f:
+        f.write(XID79.read_text())
+    assert watch.poll(CARDS) == 1
+    card0, card1 = watch.annotate(USAGE).gpus
+    assert card0.health == "ok"
+    assert card1.health == "unhealthy"
+    (fault,) = card1.faults or ()
+    assert (fault.xid, fault.meaning, fault.unusable) == (79, "GPU has fallen off the bus", True)
+    assert fault.line == XID79.read_text().splitlines()[1]
+    assert fault.source == str(path)
+
+
+def test_a_line_for_a_card_this_node_lacks_is_counted_not_given(tmp_path: Path) -> None:
+    path = tmp_path / "kern.log"
+    path.write_text(XID79.read_text())
+    watch = GpuFaultWatch(path, from_start=True)
+    assert watch.poll(CARDS[:1]) == 0
+    assert watch.unmapped == 1
+    assert all(g.faults == () for g in watch.annotate(USAGE).gpus)
+
+
+def test_an_uncorrected_ecc_count_takes_the_card_out(tmp_path: Path) -> None:
+    watch = GpuFaultWatch(None, wall=lambda: 5.0)
+    assert watch.annotate(USAGE).gpus[0].health == "ok"
+    sick = model.Usage(gpus=(model.GpuUsage(0, ecc_uncorrected=2), model.GpuUsage(1)))
+    card0, card1 = watch.annotate(sick).gpus
+    assert card0.health == "unhealthy"
+    assert [f.meaning for f in card0.faults or ()] == [
+        "2 uncorrected ECC errors since the driver loaded"
+    ]
+    assert card1.health == "ok"  # its count unknown: not a fault
+    again = watch.annotate(sick).gpus[0]
+    assert len(again.faults or ()) == 1  # the same count is not a new fault
+
+
+class FakeNvml:
+    """pynvml's event calls, as far as the watcher uses them: one Xid on card 1."""
+
+    nvmlEventTypeXidCriticalError = 0x8
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+        self.queue: list[Any] = [type("D", (), {"eventType": 0x8, "eventData": 79, "device": 1})]
+        self.calls: list[str] = []
+
+    def nvmlInit(self) -> None:
+        self.calls.append("init")
+
+    def nvmlShutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def nvmlEventSetCreate(self) -> str:
+        return "set"
+
+    def nvmlEventSetFree(self, events: str) -> None:
+        self.calls.append("free")
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceRegisterEvents(self, handle: int, kind: int, events: str) -> None:
+        self.calls.append(f"register {handle} {kind}")
+
+    def nvmlEventSetWait_v2(self, events: str, ms: int) -> Any:
+        if self.queue:
+            return self.queue.pop()
+        self.stop.set()
+        raise TimeoutError("NVMLError_Timeout")
+
+    def nvmlDeviceGetIndex(self, device: int) -> int:
+        return device
+
+
+def test_nvml_events_and_the_kernel_log_make_one_fault(tmp_path: Path) -> None:
+    path = tmp_path / "kern.log"
+    path.write_text(XID79.read_text())
+    watch = GpuFaultWatch(path, wall=lambda: 50.0, from_start=True)
+    stop = threading.Event()
+    nvml = FakeNvml(stop)
+    watch.watch_nvml(nvml, stop)
+    assert nvml.calls == ["init", "register 0 8", "register 1 8", "free", "shutdown"]
+    assert watch.poll(CARDS) == 0  # the same Xid from the log, a moment later: one fault
+    card1 = watch.annotate(USAGE).gpus[1]
+    assert card1.health == "unhealthy"
+    assert [(f.xid, f.source) for f in card1.faults or ()] == [(79, "nvml")]
