@@ -176,6 +176,7 @@ TARGETS: dict[str, Target] = {
         Target("mount_output", d.parse_mount_output, _fixtures("mounts-lustre-*")),
         Target("http_request", _http_request, _HTTP_SEEDS),
         Target("kernel_log_xids", _kernel_log, _fixtures("kernlog-*")),
+        Target("smi_q_memory", d.parse_smi_q_memory, _fixtures("q-*", "smiq-*")),
     )
 }
 

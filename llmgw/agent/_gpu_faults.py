@@ -15,7 +15,10 @@ Two sources of Xids, whichever work here:
 
 The same Xid seen by both within a few seconds is one fault. The volatile
 uncorrected ECC count every usage sample reads (NVML or nvidia-smi) is the
-third: above zero, the card is unusable until reset.
+third: above zero, the card is unusable until reset. The fourth, every
+MEMORY_EVERY samples: `nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER`'s
+rows waiting to be remapped, failed remappings and retired pages waiting for
+a reset (older drivers without ROW_REMAPPER are asked without it).
 
 What a fault means and whether it takes the card out is llmgw.core's table
 (`classify_xid`); this module only reads, maps the kernel log's PCI address to a
@@ -38,6 +41,8 @@ from typing import Any
 import attrs
 
 from llmgw import core, model
+from llmgw.agent.discovery import Runner, parse_smi_q_memory
+from llmgw.errors import ParseError
 
 log = logging.getLogger("llmgw.agent.gpu_faults")
 
@@ -45,6 +50,9 @@ SAME_FAULT_S = 10.0  # one Xid seen by NVML and in the kernel log within this: o
 READ_CHUNK = 65536
 MAX_READ_PER_POLL = 16 * 1024 * 1024  # a huge old log is read over several polls
 NVML_WAIT_MS = 1000  # the NVML thread checks for its stop this often
+MEMORY_EVERY = 6  # samples between `nvidia-smi -q` memory checks (30 s at the default interval)
+MEMORY_QUERY = ("ECC,PAGE_RETIREMENT,ROW_REMAPPER", "ECC,PAGE_RETIREMENT")
+SMI_Q_TIMEOUT_S = 30.0
 
 
 class KernelLog:
@@ -151,6 +159,8 @@ class GpuFaultWatch:
         self._faults: dict[int, tuple[model.GpuFault, ...]] = {}
         self._recent: dict[int, list[_Seen]] = {}
         self._ecc: dict[int, int] = {}
+        self._memory: set[tuple[int, str]] = set()  # (card, words) already recorded
+        self._polls = 0
         self.unmapped = 0  # Xid lines naming a PCI address no card of the inventory has
         self.nvml_error: str | None = None
 
@@ -207,6 +217,48 @@ class GpuFaultWatch:
                 continue
             found += self.note_xid(index, x.xid, source=str(self.kernel_log.path), line=line)
         return found
+
+    def check_memory(self, runner: Runner, gpus: Sequence[model.Gpu] | None) -> int:
+        """Every MEMORY_EVERY calls (the first included): ask `nvidia-smi -q` about each
+        card's memory and record what takes a card out; returns the faults recorded."""
+        self._polls += 1
+        if not gpus or (self._polls - 1) % MEMORY_EVERY:
+            return 0
+        for what in MEMORY_QUERY:
+            r = runner(["nvidia-smi", "-q", "-d", what], SMI_Q_TIMEOUT_S)
+            if r.ok or r.missing:
+                break
+        if not r.ok:
+            log.debug("GPU faults: nvidia-smi -q -d %s: %s", what, r.describe())
+            return 0
+        try:
+            found = parse_smi_q_memory(r.stdout, source=f"nvidia-smi -q -d {what}")
+        except ParseError as e:
+            log.info("GPU faults: %s", e)
+            return 0
+        by_bus = {core.pci_key(g.pci_bus_id): g.index for g in gpus if g.pci_bus_id}
+        now, added = self._wall(), 0
+        for bus, state in found.items():
+            index = by_bus.get(core.pci_key(bus)) if bus is not None else None
+            if index is None and bus is None and len(gpus) == 1:
+                index = gpus[0].index
+            if index is None:
+                continue
+            for fault in core.memory_faults(
+                now,
+                remap_pending=state.remap_pending,
+                remap_failed=state.remap_failed,
+                retired_pending=state.retired_pending,
+                source="nvidia-smi",
+            ):
+                with self._lock:
+                    if (index, fault.meaning) in self._memory:
+                        continue
+                    self._memory.add((index, fault.meaning))
+                    self._faults[index] = core.keep_faults(self._faults.get(index, ()), fault)
+                log.error("GPU %d: %s", index, fault.meaning)
+                added += 1
+        return added
 
     def annotate(self, usage: model.Usage, source: str | None = None) -> model.Usage:
         """The sample with every card's health and faults; an uncorrected ECC count that

@@ -169,8 +169,9 @@ class Node:
     def collect_usage(self) -> model.Usage:
         with self._sampling:
             usage = self._sampler.sample(shards=self.shard_pids(), llmgw_pids=self.llmgw_pids())
-            hardware = self._hardware
-            self.gpu_faults.poll(hardware.gpus if hardware is not None else None)
+            gpus = self._hardware.gpus if self._hardware is not None else None
+            self.gpu_faults.poll(gpus)
+            self.gpu_faults.check_memory(self._runner, gpus)
             return self.gpu_faults.annotate(usage)
 
     async def watch_nvml_faults(self) -> None:

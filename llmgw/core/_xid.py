@@ -32,7 +32,9 @@ replicas are replaced elsewhere, then stopped (a drain of that card only).
 ("unknown Xid 999"): a number llmgw does not know must not empty a node.
 An uncorrected ECC count above zero since the driver loaded (nvidia-smi's
 `ecc.errors.uncorrected.volatile.total`, NVML's volatile uncorrected count)
-is unusable too: the card needs a reset before its memory is trusted again.
+is unusable too: the card needs a reset before its memory is trusted again;
+so are rows waiting to be remapped, a failed remapping and retired pages
+waiting for a reset (`nvidia-smi -q`'s Remapped Rows and Retired Pages).
 """
 
 from __future__ import annotations
@@ -138,6 +140,26 @@ def ecc_fault(count: int, at: float, source: str | None = None) -> GpuFault:
     s = "s" if count != 1 else ""
     meaning = f"{count} uncorrected ECC error{s} since the driver loaded"
     return GpuFault("ecc", meaning, True, at, source=source)
+
+
+# What `nvidia-smi -q` (or NVML) says of a card's memory that takes it out until a reset.
+REMAP_PENDING = "row remapping pending: the card needs a reset"
+REMAP_FAILED = "row remapping failed: the card cannot hide its bad memory"
+RETIRED_PENDING = "retired pages pending: the card needs a reset"
+
+
+def memory_faults(
+    at: float,
+    *,
+    remap_pending: bool | None,
+    remap_failed: bool | None,
+    retired_pending: bool | None,
+    source: str | None = None,
+) -> tuple[GpuFault, ...]:
+    """The faults a card's memory-error state makes; unknown (None) makes none."""
+    said = ((remap_failed, REMAP_FAILED), (remap_pending, REMAP_PENDING),
+            (retired_pending, RETIRED_PENDING))  # fmt: skip
+    return tuple(GpuFault("memory", words, True, at, source=source) for flag, words in said if flag)
 
 
 def fault_words(fault: GpuFault) -> str:

@@ -43,6 +43,9 @@ LLMGW_FAKE_SMI_BUS_IDS
     of the fake node; cards past the list keep the made-up ids.
 LLMGW_FAKE_SMI_ECC
     Uncorrected volatile ECC counts: `<gpu index>:<count>` comma-separated (default 0).
+LLMGW_FAKE_SMI_Q_FILE
+    A recorded `nvidia-smi -q` output answered to `-q` (with any `-d`); unset,
+    `-q` is refused as an invalid combination of arguments (exit 2).
 LLMGW_FAKE_SMI_DRIVER, LLMGW_FAKE_SMI_CUDA
     Versions in the table header (default 550.54.15 and 12.4).
 LLMGW_FAKE_NICS
@@ -339,6 +342,10 @@ def main(argv: list[str]) -> int:
             return 6
         for c in found:
             print(f"GPU {c.index}: {c.name} (UUID: {c.uuid})")
+        return 0
+    recorded_q = os.environ.get("LLMGW_FAKE_SMI_Q_FILE")
+    if argv[:1] == ["-q"] and recorded_q:
+        sys.stdout.write(Path(recorded_q).read_text())
         return 0
     fmt = ""
     query: tuple[str, list[str]] | None = None

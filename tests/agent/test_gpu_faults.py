@@ -7,8 +7,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import attrs
+import pytest
+
 from llmgw import model
-from llmgw.agent._gpu_faults import GpuFaultWatch, KernelLog
+from llmgw.agent._gpu_faults import MEMORY_EVERY, GpuFaultWatch, KernelLog
+from llmgw.agent.discovery import MemoryErrors, RunResult, parse_smi_q_memory
+from llmgw.errors import ParseError
 from tests.helpers import FIXTURES
 
 XID79 = FIXTURES / "kernlog-xid79-fallen-off-bus-dmesg-T-drv535.txt"  # PCI 0000:a1:00
@@ -152,3 +157,62 @@ def test_nvml_events_and_the_kernel_log_make_one_fault(tmp_path: Path) -> None:
     card1 = watch.annotate(USAGE).gpus[1]
     assert card1.health == "unhealthy"
     assert [(f.xid, f.source) for f in card1.faults or ()] == [(79, "nvml")]
+
+
+Q_H200 = FIXTURES / "q-h200-full-idle-drv590.txt"  # GPU 00000000:83:00.0, healthy
+Q_PENDING = FIXTURES / "smiq-remapped-rows-pending-yes-fragment.txt"
+
+
+def test_smi_q_memory_sections() -> None:
+    h200 = parse_smi_q_memory(Q_H200.read_text())
+    assert h200 == {
+        "00000000:83:00.0": MemoryErrors(
+            remap_pending=False, remap_failed=False, retired_pending=None
+        )
+    }
+    assert parse_smi_q_memory(Q_PENDING.read_text()) == {None: MemoryErrors(remap_pending=True)}
+    with pytest.raises(ParseError, match="no 'Retired Pages' or 'Remapped Rows' section"):
+        parse_smi_q_memory("GPU 00000000:83:00.0\n    Product Name : NVIDIA H200\n")
+
+
+class Recorded:
+    """A runner answering `nvidia-smi -q -d ...` with a recorded output."""
+
+    def __init__(self, text: str, refuse: str | None = None) -> None:
+        self.text, self.refuse = text, refuse
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: list[str], timeout: float) -> RunResult:
+        self.calls.append(argv)
+        if self.refuse is not None and self.refuse in argv[-1]:
+            return RunResult(2, "Invalid combination of input arguments.", "")
+        return RunResult(0, self.text, "")
+
+
+def test_rows_waiting_for_a_reset_take_the_card_out() -> None:
+    one = (attrs.evolve(CARDS[1], index=0),)
+    watch = GpuFaultWatch(None, wall=lambda: 7.0)
+    # An older driver refuses ROW_REMAPPER: asked again without it.
+    runner = Recorded(Q_PENDING.read_text(), refuse="ROW_REMAPPER")
+    assert watch.check_memory(runner, one) == 1
+    assert [c[-1] for c in runner.calls] == [
+        "ECC,PAGE_RETIREMENT,ROW_REMAPPER",
+        "ECC,PAGE_RETIREMENT",
+    ]
+    card = watch.annotate(model.Usage(gpus=(model.GpuUsage(0),))).gpus[0]
+    assert card.health == "unhealthy"
+    assert [f.meaning for f in card.faults or ()] == [
+        "row remapping pending: the card needs a reset"
+    ]
+    # Asked again only every MEMORY_EVERY samples, and the same state is not a new fault.
+    for _ in range(MEMORY_EVERY):
+        watch.check_memory(runner, one)
+    assert len(runner.calls) == 4
+    assert len(watch.faults()[0]) == 1
+
+
+def test_a_healthy_q_output_takes_nothing_out() -> None:
+    card = model.Gpu(0, "GPU-0", "NVIDIA H200", "h200-140g", pci_bus_id="00000000:83:00.0")
+    watch = GpuFaultWatch(None)
+    assert watch.check_memory(Recorded(Q_H200.read_text()), (card,)) == 0
+    assert watch.annotate(model.Usage(gpus=(model.GpuUsage(0),))).gpus[0].health == "ok"
