@@ -324,10 +324,12 @@ class GpuFaultWatch:
         if not registered:
             self.nvml_error = "no card accepts NVML Xid event registration"
             return
+        # nvidia-ml-py before 11.5 has only the first version of the wait.
+        wait = getattr(nvml, "nvmlEventSetWait_v2", None) or nvml.nvmlEventSetWait
         try:
             while not stop.is_set():
                 try:
-                    data = nvml.nvmlEventSetWait_v2(events, NVML_WAIT_MS)
+                    data = wait(events, NVML_WAIT_MS)
                 except Exception as e:
                     if "Timeout" in type(e).__name__ or "Timeout" in str(e):
                         continue

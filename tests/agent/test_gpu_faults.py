@@ -145,6 +145,19 @@ class FakeNvml:
         return device
 
 
+def test_an_older_pynvml_waits_with_the_first_version(tmp_path: Path) -> None:
+    stop = threading.Event()
+
+    class Older(FakeNvml):
+        nvmlEventSetWait = FakeNvml.nvmlEventSetWait_v2
+        nvmlEventSetWait_v2 = None
+
+    watch = GpuFaultWatch(None, wall=lambda: 1.0)
+    watch.watch_nvml(Older(stop), stop)
+    assert [f.xid for f in watch.faults()[1]] == [79]
+    assert watch.nvml_error is None
+
+
 def test_nvml_events_and_the_kernel_log_make_one_fault(tmp_path: Path) -> None:
     path = tmp_path / "kern.log"
     path.write_text(XID79.read_text())
