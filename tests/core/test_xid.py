@@ -202,3 +202,13 @@ def test_placement_leaves_the_card_out_and_says_why() -> None:
         "n1: 0 free healthy h100-80g cards, needs 1 (1 in use, 1 unhealthy); "
         "gpu 1 unhealthy: Xid 79 (GPU has fallen off the bus)",
     )
+
+
+@given(st.lists(st.sampled_from(["ok", "unhealthy", None]), min_size=1, max_size=8))
+def test_exactly_the_replicas_on_cards_taken_out_drain(health: list[str | None]) -> None:
+    f79 = xid_fault(79, 1.0)
+    faults = {i: (f79,) for i, h in enumerate(health) if h == "unhealthy"}
+    drains = gpu_drains([node(health, faults)])
+    assert set(drains) == {f"r{i}" for i, h in enumerate(health) if h == "unhealthy"}
+    for replica, why in drains.items():
+        assert why == f"gpu {replica[1:]} unhealthy: Xid 79 (GPU has fallen off the bus) on n1"
