@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw.agent import discovery as d
+from llmgw.core import parse_xid_line
 from llmgw.errors import ParseError
 from llmgw.host.os_release import parse_os_release
 from llmgw.router._http1 import END, Failure, Head, RequestParser
@@ -58,6 +59,11 @@ def _sysfs_values(name: str) -> tuple[str, ...]:
 
 def _gpu_csv_noheader(text: str) -> object:
     return d.parse_gpu_csv(text, d.GPU_QUERY_FIELDS)
+
+
+def _kernel_log(text: str) -> object:
+    # The agent reads a kernel log line by line (llmgw/agent/_gpu_faults.py).
+    return [parse_xid_line(line) for line in text.splitlines()]
 
 
 def _smi_csv_fields(text: str) -> object:
@@ -169,6 +175,8 @@ TARGETS: dict[str, Target] = {
         Target("mountinfo", d.parse_mountinfo, _fixtures("mounts-nfs-*")),
         Target("mount_output", d.parse_mount_output, _fixtures("mounts-lustre-*")),
         Target("http_request", _http_request, _HTTP_SEEDS),
+        Target("kernel_log_xids", _kernel_log, _fixtures("kernlog-*")),
+        Target("smi_q_memory", d.parse_smi_q_memory, _fixtures("q-*", "smiq-*")),
     )
 }
 

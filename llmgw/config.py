@@ -185,6 +185,10 @@ class AgentConfig:
     failed_shards_kept: int = attrs.field(default=5, validator=between(0, 1000))
     # The start-up inventory; a probe past it is a warning.
     discovery_timeout_s: float = attrs.field(default=60.0, validator=positive(3600))
+    # GPU faults: the kernel log whose `NVRM: Xid` lines are read (from its start, then
+    # followed); null: not read. And whether NVML's Xid events are watched as well.
+    gpu_fault_log: Path | None = Path("/dev/kmsg")
+    gpu_fault_nvml_events: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.reconnect_max_s < self.reconnect_initial_s:

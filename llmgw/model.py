@@ -25,6 +25,8 @@ __all__ = [
     "Filesystem",
     "FlagCheck",
     "Gpu",
+    "GpuFault",
+    "GpuHealth",
     "GpuUsage",
     "Heartbeat",
     "Hello",
@@ -235,6 +237,29 @@ class EngineDecls:
     engines: tuple[EngineDecl, ...] = ()
 
 
+class GpuHealth(enum.StrEnum):
+    """A card's health as its agent judges it from its faults (GpuUsage.health)."""
+
+    OK = "ok"  # watched, and no fault that makes it unusable
+    UNHEALTHY = "unhealthy"  # a fault that takes the card out (llmgw.core.XID_CLASSES)
+
+
+@attrs.frozen
+class GpuFault:
+    """One fault the agent read for a card: an Xid (from the kernel log or NVML's
+    events) or an uncorrected ECC count. `unusable`: the card cannot be trusted
+    with work until it is reset (Xid 79, 48, ...); otherwise it is reported only
+    (Xid 13, 31, 43: the application's fault)."""
+
+    kind: str  # "xid" | "ecc"
+    meaning: str  # "GPU has fallen off the bus"
+    unusable: bool
+    at: float  # unix time the agent read it
+    xid: int | None = None
+    source: str | None = None  # where it was read: "/dev/kmsg", "nvml", "nvidia-smi"
+    line: str | None = None  # the kernel log's line, as it was read
+
+
 @attrs.frozen
 class GpuUsage:
     index: int
@@ -242,6 +267,12 @@ class GpuUsage:
     utilization_pct: float | None = None
     foreign_memory_mib: int | None = None  # held by processes outside every engine's tree
     ecc_uncorrected: int | None = None  # volatile uncorrected ECC errors since the driver loaded
+    # A GpuHealth value; None: not known (an agent older than the field never says
+    # "ok" for a card it does not watch).
+    health: str | None = None
+    # The faults read for this card since the agent started (the newest few), the
+    # reported-only ones too; None: not watched (an older agent).
+    faults: tuple[GpuFault, ...] | None = None
 
 
 @attrs.frozen

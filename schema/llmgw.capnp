@@ -132,6 +132,18 @@ struct GpuUsage {
   utilizationPct @2 :OptF64;
   foreignMemoryMib @3 :OptI64;
   eccUncorrected @4 :OptI64;
+  health @5 :Text;             # ok | unhealthy; null: not known (an older agent)
+  faults @6 :List(GpuFault);   # null: not watched (an older agent)
+}
+
+struct GpuFault {
+  kind @0 :Text;               # xid | ecc
+  meaning @1 :Text;
+  unusable @2 :Bool;           # the card is taken out; false: reported only
+  at @3 :Float64;              # unix time the agent read it
+  xid @4 :OptI64;
+  source @5 :Text;             # /dev/kmsg, nvml, nvidia-smi
+  line @6 :Text;               # the kernel log's line
 }
 
 struct ShardUsage {

@@ -215,6 +215,7 @@ async def serve(cfg: config.AgentConfig) -> None:
         # After discovery: the variant and the package family come from the hardware.
         await nursery.start(installer.run)
         nursery.start_soon(node.sample_forever)
+        nursery.start_soon(node.watch_nvml_faults)
         await session.run(bridge)
 
 

@@ -29,6 +29,7 @@ import trio
 
 from llmgw import config, model
 from llmgw.agent import discovery
+from llmgw.agent._gpu_faults import GpuFaultWatch
 
 log = logging.getLogger("llmgw.agent.node")
 
@@ -64,6 +65,8 @@ class Node:
         self.shard_pids = shard_pids
         dirs = [*self._model_dirs(), *self._storage_dirs()]
         self._sampler = discovery.UsageSampler(root=root, runner=self._runner, dirs=dirs, nvml=nvml)
+        # Xids and ECC counts per card (llmgw/agent/_gpu_faults.py); every sample carries them.
+        self.gpu_faults = GpuFaultWatch(cfg.gpu_fault_log if cfg else None)
         # The sampler keeps rates between samples: one caller at a time, and a
         # worker thread abandoned past its deadline still holds it until done.
         self._sampling = threading.Lock()
@@ -165,7 +168,29 @@ class Node:
 
     def collect_usage(self) -> model.Usage:
         with self._sampling:
-            return self._sampler.sample(shards=self.shard_pids(), llmgw_pids=self.llmgw_pids())
+            usage = self._sampler.sample(shards=self.shard_pids(), llmgw_pids=self.llmgw_pids())
+            gpus = self._hardware.gpus if self._hardware is not None else None
+            self.gpu_faults.poll(gpus)
+            self.gpu_faults.check_memory(self._runner, gpus)
+            return self.gpu_faults.annotate(usage)
+
+    async def watch_nvml_faults(self) -> None:
+        """NVML's Xid events, in a thread, for as long as the agent runs (where NVML loads
+        and agent.yaml's gpu_fault_nvml_events allows); the kernel log is read per sample."""
+        if self._nvml is None or (self.cfg is not None and not self.cfg.gpu_fault_nvml_events):
+            return
+        try:
+            nvml = self._nvml()
+        except Exception as e:  # no library: a node without an NVIDIA driver
+            log.debug("GPU faults: NVML does not load (%s)", e)
+            return
+        stop = threading.Event()
+        try:
+            await trio.to_thread.run_sync(
+                self.gpu_faults.watch_nvml, nvml, stop, abandon_on_cancel=True
+            )
+        finally:
+            stop.set()
 
     def _probe_hardware(self) -> None:
         inventory = self._inventory(with_software=False)
@@ -232,7 +257,7 @@ class Node:
 
     def _warnings(self) -> tuple[str, ...]:
         found = self._hardware.warnings if self._hardware is not None else ()
-        return (*found, *self._overrun_warnings())
+        return (*found, *self._overrun_warnings(), *self.gpu_faults.warnings())
 
     # session hooks ---------------------------------------------------------------------
 

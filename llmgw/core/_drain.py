@@ -45,6 +45,9 @@ class DrainInput:
     # replica id -> clock value of the first pass that showed it retiring
     retiring_since: Mapping[str, float] = attrs.field(factory=dict)
     timeout_s: float = 300.0
+    # replica id -> why it drains though its node does not: a card it uses is unusable
+    # ("gpu 1 unhealthy: Xid 79 (GPU has fallen off the bus) on node01")
+    replicas: Mapping[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -52,6 +55,7 @@ class DrainingReplica:
     replica_id: str
     ready: bool  # every rank ready (it may be serving)
     first_seen: float
+    why: str = DRAINING  # what it is replaced for: its node drains, or a card of it failed
 
 
 @attrs.frozen
@@ -93,12 +97,10 @@ def drain_model(
                     f"kept until its replacement is ready ({model_name} has {ready_elsewhere} "
                     f"ready replica{'s' if ready_elsewhere != 1 else ''} elsewhere, wants {wanted})"
                 )
-            decision = DrainDecision(
-                r.replica_id, ReplicaState.DRAINING, False, f"{DRAINING}; {why}"
-            )
+            decision = DrainDecision(r.replica_id, ReplicaState.DRAINING, False, f"{r.why}; {why}")
             out.append(decision)
             continue
-        out.append(retire(r.replica_id, r.ready, drain, now))
+        out.append(retire(r.replica_id, r.ready, drain, now, r.why))
     return out
 
 

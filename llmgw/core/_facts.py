@@ -29,6 +29,7 @@ from llmgw.core._liveness import Liveness, NodeState
 from llmgw.core._placement import Allocations, GpuFacts, NodeFacts, PlacementProfile
 from llmgw.core._reconcile import ObservedShard
 from llmgw.core._weights import cache_name, classify_source, is_cache_name
+from llmgw.core._xid import unhealthy_words
 from llmgw.errors import ConfigError
 
 FOREIGN_MEMORY_LIMIT_MIB = 1024  # a card with more held by others is not healthy for placement
@@ -117,7 +118,8 @@ def placement_profile(
 
 
 def gpu_healthy(g: model.Gpu, usage: model.GpuUsage | None) -> bool:
-    """No uncorrected ECC errors, and no more than the limit held by others.
+    """Not marked unhealthy by its agent (an Xid or ECC fault that takes it out), no
+    uncorrected ECC errors, and no more than the limit held by others.
 
     The newest heartbeat's reading wins over the registration's; a reading the
     heartbeat lacks (absent: not measured) falls back to the registration's.
@@ -128,7 +130,40 @@ def gpu_healthy(g: model.Gpu, usage: model.GpuUsage | None) -> bool:
     foreign = usage.foreign_memory_mib if usage is not None else None
     if foreign is None:
         foreign = g.foreign_memory_mib
+    if gpu_unusable(usage):
+        return False
     return not ecc and (foreign or 0) <= FOREIGN_MEMORY_LIMIT_MIB
+
+
+def gpu_unusable(usage: model.GpuUsage | None) -> bool:
+    """The agent says the card is out (a fault class that makes it unusable). An agent
+    that says nothing (older than the field) is unknown: never out for that."""
+    return usage is not None and usage.health == model.GpuHealth.UNHEALTHY
+
+
+def gpu_drains(nodes: Iterable[NodeReport]) -> dict[str, str]:
+    """Replica id -> why, for every replica with a shard on a card its agent marked
+    unusable: `gpu 1 unhealthy: Xid 79 (GPU has fallen off the bus) on node01`. The
+    drain rule replaces these and then stops them, as it does a draining node's, but
+    only these: the node's other cards go on serving."""
+    out: dict[str, str] = {}
+    for rec in nodes:
+        inv = rec.inventory
+        usage = {u.index: u for u in inv.usage.gpus}
+        sick = {
+            g.uuid: unhealthy_words(g.index, usage[g.index].faults)
+            for g in inv.gpus or ()
+            if gpu_unusable(usage.get(g.index))
+        }
+        if not sick:
+            continue
+        for s in rec.shards:
+            if s.replica_id is None or s.replica_id in out:
+                continue
+            bad = next((sick[u] for u in s.gpus if u in sick), None)
+            if bad is not None:
+                out[s.replica_id] = f"{bad} on {rec.node_id}"
+    return out
 
 
 # A percentage changes with every heartbeat of a download: placement's refusal names
@@ -179,6 +214,9 @@ def node_facts(rec: NodeReport, declared: model.EngineDecls | None = None) -> No
                 gpu_class=g.gpu_class,
                 healthy=gpu_healthy(g, usage.get(g.index)),
                 numa_node=g.numa_node,
+                why=unhealthy_words(g.index, usage[g.index].faults)
+                if gpu_unusable(usage.get(g.index))
+                else None,
             )
             for g in inv.gpus
         )
@@ -309,16 +347,18 @@ def drain_input(
     timeout_s: float,
     *,
     also: Collection[str] = (),
+    replicas: Mapping[str, str] | None = None,
 ) -> DrainInput:
     """The drain rule's input (and the rollout rule's). `in_flight(replica id, rank-0
     node)`: the router's count of requests there, asked only for the replicas a draining
     node touches and those in `also` (the stale ones a rollout may retire); None (no
-    router here) leaves every count unknown."""
+    router here) leaves every count unknown. `replicas`: replica id -> why it drains on
+    its own, its node serving on (a card of it is unusable: `gpu_drains`)."""
     nodes = frozenset(draining)
     counts: dict[str, int | None] = {}
     touched = {s.replica_id for s in shards if s.node_id in nodes and s.replica_id}
-    touched |= set(also)
+    touched |= set(also) | set(replicas or {})
     for s in shards:
         if s.replica_id in touched and s.rank == 0:
             counts[s.replica_id] = in_flight(s.replica_id, s.node_id) if in_flight else None
-    return DrainInput(nodes, counts, dict(retiring_since), timeout_s)
+    return DrainInput(nodes, counts, dict(retiring_since), timeout_s, dict(replicas or {}))

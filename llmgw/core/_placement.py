@@ -96,6 +96,10 @@ class GpuFacts:
     gpu_class: str
     healthy: bool
     numa_node: int | None = None
+    # Why its agent took it out, for the refusal: "gpu 1 unhealthy: Xid 79 (GPU has
+    # fallen off the bus)"; None: healthy, or unhealthy for a reason placement reads
+    # itself (ECC count, foreign memory).
+    why: str | None = None
 
 
 @attrs.frozen
@@ -784,8 +788,15 @@ class Placer:
                 why = f"{free} free healthy {cls} card{_s(free)}, needs {k}"
                 detail = [f"{in_use} in use"] if in_use else []
                 detail += [f"{sick} unhealthy"] if sick else []
+                said = [
+                    g.why
+                    for g in node.facts.gpus or ()
+                    if g.why and g.gpu_class == cls and not node.used >> g.index & 1
+                ]
                 if detail:
                     why += f" ({', '.join(detail)})"
+                if said:
+                    why += f"; {'; '.join(said)}"
                 groups.setdefault((7, why), []).append(nid)
         header: list[str] = []
         n = p.nodes

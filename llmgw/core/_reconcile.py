@@ -34,7 +34,8 @@ Rules, in order:
   unreachable ones are left alone, lost ones replaced. So a fleet that comes
   back one node at a time, each within `settle_s` of the one before, has
   nothing started for it (tests/core/test_reconcile.py proves it);
-- a live replica with a rank on a draining node: not counted as one of its
+- a live replica with a rank on a draining node, or on a card its agent marked
+  unusable (`drain.replicas`, llmgw/core/_xid.py: that card only): not counted as one of its
   model's replicas (so it is replaced), and kept or stopped by the drain rule
   (llmgw/core/_drain.py: kept until its replacement is ready, then taken out
   of the router, then stopped once nothing is in flight or the timeout passed);
@@ -51,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from llmgw.core._backoff import Backoff, BackoffPolicy
-from llmgw.core._drain import DrainingReplica, DrainInput, drain_model
+from llmgw.core._drain import DRAINING, DrainingReplica, DrainInput, drain_model
 from llmgw.core._liveness import NodeState
 from llmgw.core._replica import ALIVE_REPLICA_STATES, BEHIND, ReplicaState
 from llmgw.core._rollout import (
@@ -273,7 +274,11 @@ def reconcile(
         view = ReplicaView(
             replica_id, model_name, state, tuple(s.node_id for s in members), seen, stale, reason
         )
-        if state in ALIVE and drain is not None and set(view.nodes) & set(drain.nodes):
+        if (
+            state in ALIVE
+            and drain is not None
+            and (set(view.nodes) & set(drain.nodes) or replica_id in drain.replicas)
+        ):
             draining.setdefault(model_name, []).append(view)
         elif state in ALIVE:
             alive.setdefault(model_name, []).append((replica_id, view))
@@ -361,7 +366,13 @@ def _apply_drain(
             1 for _, v in alive.get(model_name, []) if v.state == ReplicaState.READY
         )
         rows = [
-            DrainingReplica(v.replica_id, v.state == ReplicaState.READY, v.first_seen) for v in mine
+            DrainingReplica(
+                v.replica_id,
+                v.state == ReplicaState.READY,
+                v.first_seen,
+                DRAINING if set(v.nodes) & set(drain.nodes) else drain.replicas[v.replica_id],
+            )
+            for v in mine
         ]
         for dec in drain_model(model_name, d.replicas, ready_elsewhere, rows, drain, now,
                                cut_off=cut_off):  # fmt: skip

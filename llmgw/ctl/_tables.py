@@ -75,7 +75,8 @@ def _pair(used: int | None, total: int | None) -> str:
     return f"{_gib(used)}/{_gib(total)}"
 
 
-def _gpus(gpus: list[dict[str, Any]] | None) -> str:
+def _gpus(gpus: list[dict[str, Any]] | None, usage: list[dict[str, Any]] | None = None) -> str:
+    """`8xh100-80g`, then each card its agent marked unhealthy, and why."""
     if gpus is None:
         return "-"  # unknown: the agent could not tell
     if not gpus:
@@ -83,7 +84,22 @@ def _gpus(gpus: list[dict[str, Any]] | None) -> str:
     counts: dict[str, int] = {}
     for gpu in gpus:
         counts[gpu["gpu_class"]] = counts.get(gpu["gpu_class"], 0) + 1
-    return ",".join(f"{n}x{cls}" for cls, n in sorted(counts.items()))
+    cell = ",".join(f"{n}x{cls}" for cls, n in sorted(counts.items()))
+    sick = [_unhealthy(u) for u in usage or () if u.get("health") == "unhealthy"]
+    return cell + "".join(f"; {s}" for s in sick)
+
+
+def _unhealthy(usage: dict[str, Any]) -> str:
+    """`gpu 1 unhealthy: Xid 79 (GPU has fallen off the bus)`, as placement says it."""
+    first = next((f for f in usage.get("faults") or () if f.get("unusable")), None)
+    if first is None:
+        return f"gpu {usage['index']} unhealthy"
+    words = (
+        f"Xid {first['xid']} ({first['meaning']})"
+        if first.get("xid") is not None
+        else first["meaning"]
+    )
+    return f"gpu {usage['index']} unhealthy: {words}"
 
 
 def _disk(filesystems: list[dict[str, Any]]) -> str:
@@ -154,7 +170,7 @@ def format_nodes(nodes: list[dict[str, Any]], *, now: float) -> str:
                 _node_state(n, shards),
                 age(now - n["since"]),
                 age(None if n.get("last_seen") is None else now - n["last_seen"]),
-                _gpus(inv.get("gpus")),
+                _gpus(inv.get("gpus"), usage.get("gpus")),
                 _pair(used, total),
                 _disk(usage.get("filesystems") or []),
                 format_engines(inv.get("engines")),

@@ -37,6 +37,15 @@ LLMGW_FAKE_SMI_APPS_FILE
     distinct UUID in the file stands for the next fake card in order (the
     first for card 0); pids are answered as recorded, so a test rewrites a row
     to carry the pid it wants.
+LLMGW_FAKE_SMI_BUS_IDS
+    PCI bus ids of the cards in order, comma-separated (`00000000:A1:00.0,...`), so
+    a recorded kernel-log line (`NVRM: Xid (PCI:0000:a1:00): 79, ...`) names a card
+    of the fake node; cards past the list keep the made-up ids.
+LLMGW_FAKE_SMI_ECC
+    Uncorrected volatile ECC counts: `<gpu index>:<count>` comma-separated (default 0).
+LLMGW_FAKE_SMI_Q_FILE
+    A recorded `nvidia-smi -q` output answered to `-q` (with any `-d`); unset,
+    `-q` is refused as an invalid combination of arguments (exit 2).
 LLMGW_FAKE_SMI_DRIVER, LLMGW_FAKE_SMI_CUDA
     Versions in the table header (default 550.54.15 and 12.4).
 LLMGW_FAKE_NICS
@@ -118,6 +127,13 @@ class Card:
         # Stable across invocations (hash() is salted per process).
         self.uuid = f"GPU-{zlib.crc32(cls.encode()):08x}-{index:04x}-4000-8000-{index:012x}"
         self.bus = f"00000000:{0x18 + 0x10 * index:02X}:00.0"
+        given = [b.strip() for b in os.environ.get("LLMGW_FAKE_SMI_BUS_IDS", "").split(",")]
+        if index < len(given) and given[index]:
+            self.bus = given[index]
+        ecc = dict(
+            e.split(":", 1) for e in os.environ.get("LLMGW_FAKE_SMI_ECC", "").split(",") if ":" in e
+        )
+        self.ecc = ecc.get(str(index), "0").strip()
 
 
 def cards() -> list[Card]:
@@ -152,7 +168,7 @@ def _gpu_value(card: Card, field: str, n: int) -> str:
         "memory.used": str(used),
         "memory.free": str(card.total - used),
         "compute_cap": card.cc,
-        "ecc.errors.uncorrected.volatile.total": "0",
+        "ecc.errors.uncorrected.volatile.total": card.ecc,
         "utilization.gpu": os.environ.get("LLMGW_FAKE_SMI_UTIL", "0"),
         "driver_version": os.environ.get("LLMGW_FAKE_SMI_DRIVER", "550.54.15"),
         "count": str(n),
@@ -326,6 +342,10 @@ def main(argv: list[str]) -> int:
             return 6
         for c in found:
             print(f"GPU {c.index}: {c.name} (UUID: {c.uuid})")
+        return 0
+    recorded_q = os.environ.get("LLMGW_FAKE_SMI_Q_FILE")
+    if argv[:1] == ["-q"] and recorded_q:
+        sys.stdout.write(Path(recorded_q).read_text())
         return 0
     fmt = ""
     query: tuple[str, list[str]] | None = None

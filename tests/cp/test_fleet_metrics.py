@@ -81,8 +81,17 @@ USAGE = model.Usage(
     load15=0.25,
     cpu_util_pct=12.5,
     gpus=(
-        model.GpuUsage(0, memory_used_mib=1024, utilization_pct=37.0, ecc_uncorrected=0),
-        model.GpuUsage(1, memory_used_mib=2048, utilization_pct=None, foreign_memory_mib=512),
+        model.GpuUsage(
+            0, memory_used_mib=1024, utilization_pct=37.0, ecc_uncorrected=0, health="ok"
+        ),
+        model.GpuUsage(
+            1,
+            memory_used_mib=2048,
+            utilization_pct=None,
+            foreign_memory_mib=512,
+            health="unhealthy",
+            faults=(core.xid_fault(79, 1.0),),
+        ),
     ),
     filesystems=(
         model.Filesystem("/", "ext4", ("/var/lib/llmgw",), 100 << 30, 5 << 30, False),
@@ -141,6 +150,8 @@ async def test_collector_exports_what_was_reported_and_drops_a_stale_sample() ->
     assert pick(got, "llmgw_gpu_utilization_percent", gpu="1") == {}  # nobody said
     assert one(got, "llmgw_gpu_foreign_memory_bytes", gpu="1") == 512 * MIB
     assert one(got, "llmgw_gpu_nvlink_peers", gpu="1") == 1
+    assert one(got, "llmgw_gpu_healthy", **gpu0) == 1
+    assert one(got, "llmgw_gpu_healthy", gpu="1") == 0  # Xid 79: the card is out
     assert one(got, "llmgw_shard_cpu_cores", node="gpu-a", shard="s1", model="tiny") == 2.5
     assert one(got, "llmgw_shard_memory_bytes", shard="s1") == 3 << 30
     assert one(got, "llmgw_engine_state", engine="llama-server", state="installed") == 1

@@ -309,6 +309,25 @@ async def test_the_node_page_shows_figures_and_one_chart_per_series(fleet: Fleet
     assert missing.status_code == 404 and "no node &#39;nope&#39;" in missing.text
 
 
+async def test_the_node_page_says_which_card_is_out_and_why(fleet: Fleet) -> None:
+    inv = _inventory("n1", cpu=None)
+    fault = core.xid_fault(79, 1.0, line="NVRM: Xid (PCI:0000:a1:00): 79, ...")
+    inv = model.Inventory(
+        inv.host, engines=inv.engines,
+        gpus=tuple(model.Gpu(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", "h100-80g") for i in range(3)),
+        usage=model.Usage(gpus=(model.GpuUsage(0, health="ok", faults=()),
+                                model.GpuUsage(1, health="unhealthy", faults=(fault,)),
+                                model.GpuUsage(2))),
+    )  # fmt: skip
+    await register(fleet.registry, "n1", inventory=inv)
+    async with fleet.client() as client:
+        await _login(client)
+        html = (await client.get("/admin/nodes/n1")).text
+    health = re.findall(r'data-field="gpu-health">([^<]*)<', html)
+    # Card 2's agent says nothing of its health: unknown, never "ok".
+    assert health == ["ok", "unhealthy: Xid 79 (GPU has fallen off the bus)", DASH]
+
+
 async def test_the_node_page_draws_its_charts_from_the_history_with_gaps(
     tmp_path: Path, keys: StoreKeys
 ) -> None:

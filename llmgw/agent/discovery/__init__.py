@@ -71,6 +71,7 @@ from ._smi import (
     parse_smi_csv,
     parse_smi_versions,
 )
+from ._smi_q import MemoryErrors, parse_smi_q_memory
 from ._topo import GpuAffinity, TopoMatrix, parse_topo
 from ._weights_scan import complete_entry, scan_weights
 
@@ -86,6 +87,7 @@ __all__ = [
     "GpuProbe",
     "LoadAvg",
     "MemInfo",
+    "MemoryErrors",
     "Mount",
     "NvmlLoader",
     "NvmlReading",
@@ -125,6 +127,7 @@ __all__ = [
     "parse_mountinfo",
     "parse_proc_stat",
     "parse_smi_csv",
+    "parse_smi_q_memory",
     "parse_smi_versions",
     "parse_topo",
     "probe_engines",

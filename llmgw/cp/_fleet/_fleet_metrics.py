@@ -111,6 +111,7 @@ DOCS = {
     "llmgw_gpu_utilization_percent": "utilisation of the card, 0..100",
     "llmgw_gpu_ecc_uncorrected_errors": "volatile uncorrected ECC errors since the driver loaded",
     "llmgw_gpu_foreign_memory_bytes": "card memory held by processes llmgw did not start",
+    "llmgw_gpu_healthy": "1 while the card's agent finds no fault that takes it out, 0 after",
     "llmgw_gpu_nvlink_peers": "cards this card reaches by NVLink",
     "llmgw_shard_cpu_cores": "CPU cores the shard's processes use",
     "llmgw_shard_memory_bytes": "resident memory of the shard's processes",
@@ -228,6 +229,8 @@ def _gpus(
             add(
                 "llmgw_gpu_foreign_memory_bytes", labels, None if foreign is None else foreign * MIB
             )
+            health = None if u.health is None else int(u.health == model.GpuHealth.OK)
+            add("llmgw_gpu_healthy", labels, health)  # an older agent's: unknown, no series
         if inv.topology is not None:
             add("llmgw_gpu_nvlink_peers", labels, len(peers.get(g.index, ())))
 

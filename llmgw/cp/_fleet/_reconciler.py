@@ -223,8 +223,8 @@ class Reconciler:
             and s.fingerprint not in current.get(s.model_name or "", (s.fingerprint,))
         }
         drain = core.drain_input(shards, self._registry.draining, self._in_flight,
-                                 self._retiring.since(), self.drain_timeout_s,
-                                 also=stale)  # fmt: skip
+                                 self._retiring.since(), self.drain_timeout_s, also=stale,
+                                 replicas=core.gpu_drains(self._registry.records()))  # fmt: skip
         controls = self.rollouts.controls(self._unplaced.keys())
 
         def reconcile() -> Plan:

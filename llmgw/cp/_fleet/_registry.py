@@ -332,6 +332,7 @@ class NodeRegistry:
         self.events.node_state(hello.node_id, before, ready, f"registered from {peer.address}")
         for shard in hello.shards:  # a failure while it was away is news too
             self.events.shard_report(hello.node_id, shard)
+        self.events.gpu_faults(hello.node_id, hello.inventory.usage.gpus)
         if self._nursery is not None:
             self._nursery.start_soon(self._watch, hello.node_id, generation, peer.closed)
         self._changed()
@@ -409,6 +410,8 @@ class NodeRegistry:
         if self.history is not None:
             self.history.record(node_id, beat.usage, rec.shards)
         self._apply(rec, core.HeartbeatSeen(self._clock()))
+        if self.events.gpu_faults(node_id, beat.usage.gpus):
+            self._changed()  # a card may be out: the reconciler plans now, not next pass
 
     def on_shard_status(self, node_id: str, generation: int, shard: model.ShardReport) -> None:
         rec = self._current(node_id, generation)

@@ -35,6 +35,7 @@ SHARD_UNHEALTHY = "shard-unhealthy"
 REPLICA_STOPPED = "replica-stopped"
 NODE_STATE = "node-state"
 COMMAND_STUCK = "command-stuck"
+GPU_FAULT = "gpu-fault"
 
 # Replica states in which the reconciler replaces a replica: a stop for one of
 # these is a failure; a stop because the model left the catalog or has too
@@ -139,6 +140,9 @@ class EventLog:
         # (node, shard) -> (state, reason) last recorded: a report repeated on a
         # registration or a status message is one event, not two.
         self._shard_seen: OrderedDict[tuple[str, str], tuple[str, str | None]] = OrderedDict()
+        # GPU faults already recorded: an agent sends its cards' faults with every
+        # sample, and again after a restart (it reads the kernel log from the start).
+        self._faults_seen: OrderedDict[tuple[str, int, str, int | None, str], None] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"<EventLog {self.statistics()}>"
@@ -268,6 +272,33 @@ class EventLog:
                 )
                 self._fail(lost, f"node {node_id} is lost{why}", strong=False)
         return event
+
+    def gpu_faults(self, node_id: str, gpus: Iterable[model.GpuUsage]) -> list[Event]:
+        """The faults a node's cards report that were not recorded yet, one event each:
+        what happened and what llmgw does (the card taken out, or reported only)."""
+        out = []
+        for g in gpus:
+            for f in g.faults or ():
+                key = (node_id, g.index, f.kind, f.xid, f.line or f.meaning)
+                if key in self._faults_seen:
+                    continue
+                self._faults_seen[key] = None
+                while len(self._faults_seen) > self._keys:
+                    self._faults_seen.popitem(last=False)
+                if f.unusable:
+                    act = "the card is taken out: its replicas are replaced elsewhere, then stopped"
+                else:
+                    whose = core.classify_xid(f.xid).whose if f.xid is not None else "unknown"
+                    act = f"reported only ({whose} fault): nothing moves"
+                out.append(
+                    self.record(
+                        GPU_FAULT,
+                        f"gpu {g.index}: {core.fault_words(f)}; {act}",
+                        node_id=node_id,
+                        lines=(f.line.strip(),) if f.line else (),
+                    )
+                )
+        return out
 
     def command_stuck(
         self,

@@ -152,6 +152,7 @@ def node_figures(node: Mapping[str, Any]) -> dict[str, Any]:
                       f"{fmt_bytes(None if total_mib is None else total_mib * MIB)}",
             "ecc": DASH if u.get("ecc_uncorrected", g.get("ecc_uncorrected")) is None
                    else str(u.get("ecc_uncorrected", g.get("ecc_uncorrected"))),
+            "health": _gpu_health(u),
         })  # fmt: skip
     shard_usage = {s.get("shard_id"): s for s in usage.get("shards") or ()}
     shards = []
@@ -315,3 +316,17 @@ def mirror_rows(
         rows.append({"path": path, "size": fmt_bytes(size), "models": using,
                      "warnings": unserved})  # fmt: skip
     return rows
+
+
+def _gpu_health(usage: dict[str, Any]) -> str:
+    """`ok`, or `unhealthy: Xid 79 (GPU has fallen off the bus)` as `ctl nodes` says it;
+    a dash from an agent that does not say (older than the field)."""
+    health = usage.get("health")
+    if health is None:
+        return DASH
+    first = next((f for f in usage.get("faults") or () if f.get("unusable")), None)
+    if health != "unhealthy" or first is None:
+        return str(health)
+    xid = first.get("xid")
+    words = f"Xid {xid} ({first.get('meaning')})" if xid is not None else first.get("meaning")
+    return f"unhealthy: {words}"
