@@ -11,6 +11,14 @@ from llmgw.core._attempt import (
 )
 from llmgw.core._backoff import Backoff, BackoffPolicy, backoff_failure, backoff_settled
 from llmgw.core._breaker import Breaker, BreakerConfig, BreakerEvent, BreakerState
+from llmgw.core._continuation import (
+    CONTINUATION_REFUSALS,
+    ContinuationRefusal,
+    ResumePlan,
+    continuation_body,
+    prefill_echo,
+    resume_plan,
+)
 from llmgw.core._drain import DrainDecision, DrainingReplica, DrainInput, drain_model
 from llmgw.core._estimates import EngineReport, Estimates, learn
 from llmgw.core._facts import (
@@ -116,6 +124,7 @@ from llmgw.model import ShardState
 __all__ = [
     "ALIVE_REPLICA_STATES",
     "ATTEMPT_VERDICTS",
+    "CONTINUATION_REFUSALS",
     "MARKER",
     "NO_MATCH",
     "PARTIAL_SUFFIX",
@@ -137,6 +146,7 @@ __all__ = [
     "BreakerEvent",
     "BreakerState",
     "ConnectionLost",
+    "ContinuationRefusal",
     "Decision",
     "DesiredModel",
     "DrainDecision",
@@ -175,6 +185,7 @@ __all__ = [
     "ReplicaState",
     "ReplicaView",
     "RequestEstimate",
+    "ResumePlan",
     "RolloutControl",
     "RolloutDecision",
     "RolloutMember",
@@ -205,6 +216,7 @@ __all__ = [
     "check_manifest",
     "choose",
     "classify_source",
+    "continuation_body",
     "decide",
     "drain_input",
     "drain_model",
@@ -221,8 +233,10 @@ __all__ = [
     "place",
     "placement_profile",
     "plan_reclaim",
+    "prefill_echo",
     "reconcile",
     "registered",
+    "resume_plan",
     "rollout_model",
     "socket_interface",
     "step",
