@@ -3,7 +3,7 @@ answer, the uninterrupted run's, continued on the other replica; where continuat
 refused, the final error event in the API's shape.
 
 Two real llama-servers serve the tiny test model (a wider variant, so an answer takes
-long enough to be cut), the router (the one tests/router/ runs, on its lean listener)
+long enough to be cut: `wide_model`), the router (the one tests/router/ runs, on its lean listener)
 in front of them. The answer is kept to single letters (`logit_bias` bans every other
 token): the test model's tokenizer never merges letters, so the text re-tokenizes as
 it was generated, which is what an exact join needs (llmgw/core/_continuation.py; its
@@ -14,6 +14,7 @@ caching is off (`cache_prompt: false`), so each run computes its prompt the same
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from collections.abc import Awaitable, Callable, Iterator
@@ -28,7 +29,7 @@ from router.conftest import SECRET_A, sample, serve_router
 
 from llmgw.router._types import Endpoint
 from llmgw.testing import tiny_gguf
-from llmgw.testing.cluster import free_port, wait_for
+from llmgw.testing.cluster import LocalCluster, free_port, wait_for
 
 AUTH = {"Authorization": f"Bearer {SECRET_A}"}
 N_VOCAB = 3 + 256 + len(tiny_gguf.WORDS) + 26
@@ -36,6 +37,14 @@ LETTERS = range(N_VOCAB - 26, N_VOCAB)  # "a".."z", the vocabulary's last 26 tok
 ONLY_LETTERS = {str(t): -100 for t in range(N_VOCAB) if t not in LETTERS}
 MAX_TOKENS = 300
 CUT_AFTER = 5  # text chunks the client reads before the engine is killed
+
+
+def wide_model(tmp: Path) -> Path:
+    """The tiny model made wide enough to write about 200 tokens a second here (one
+    thread): an answer of MAX_TOKENS takes over a second, so the kill lands while the
+    engine is still generating it (the default tiny model writes 3,000 a second, and an
+    engine that has written its whole answer to the socket before it dies cuts nothing)."""
+    return tiny_gguf.write(tmp / "wide.gguf", n_embd=512, n_layer=4, n_ff=1024)
 
 
 class Engine:
@@ -85,7 +94,7 @@ class Engine:
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[tuple[Engine, Engine]]:
     llama_server_binary()  # skips (fails under CI) before anything starts without it
-    model = tiny_gguf.write(tmp_path / "wide.gguf", n_embd=256, n_layer=4, n_ff=512)
+    model = wide_model(tmp_path)
     pair = (Engine("a", model, tmp_path / "a.log"), Engine("b", model, tmp_path / "b.log"))
     try:
         for engine in pair:
@@ -240,3 +249,107 @@ async def test_a_greedy_stream_whose_engine_is_killed_reads_as_the_uninterrupted
         assert "mid-response" in error["message"]
         labels = {"model": "tiny", "api": "openai", "outcome": "error", "reason": "logprobs"}
         assert sample(r.metrics_text(), cuts, **labels) == 1
+
+
+IN_FLIGHT = "llmgw_router_endpoint_in_flight_requests"
+
+
+def engine_pid(pids: list[int]) -> int:
+    """The shard's llama-server among its processes."""
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"llama-server" in f.read():
+                return pid
+    raise AssertionError(f"no llama-server among the shard's processes {pids}")
+
+
+@pytest.mark.slow
+def test_through_the_fleet_a_killed_replicas_stream_is_continued_on_the_other(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The same through llmgw-cp (its router, its endpoints from the fleet) and two agents,
+    two llama-server replicas, the serving engine killed with SIGKILL."""
+    binary = llama_server_binary()
+    model = wide_model(tmp_path)
+    profile = {
+        "engine": "llama-server",
+        "gpus_per_node": 0,
+        "engine_args": ["--ctx-size", "1024", "--threads", "1", "-np", "1"],
+        "startup_timeout_s": 120,
+    }
+    cluster.models = [{"name": "tiny", "source": str(model), "replicas": 2, "profiles": [profile]}]
+    nodes = ("c1", "c2")
+    cluster.setup(nodes)
+    for node in nodes:
+        cluster.write_agent_config(node, engine_paths={"llama-server": binary})
+    cluster.start_cp()
+    for node in nodes:
+        cluster.start_agent(node)
+    cluster.wait_states({n: "ready" for n in nodes}, timeout=60)
+    key = cluster.api_key("team-a")
+
+    def replicas() -> dict[str, tuple[int, int]] | None:
+        """The router's endpoint id -> (port, llama-server pid) of the two ready replicas
+        (placement may put both on one node: each is its own engine either way)."""
+        ready = [
+            (node, s)
+            for node, n in cluster.nodes().items()
+            for s in n["shards"]
+            if s.get("model_name") == "tiny" and s["state"] == "ready"
+        ]
+        if len(ready) != 2:
+            return None
+        return {
+            f"{s['replica_id']}@{node}": (s["port"], engine_pid(s["pids"])) for node, s in ready
+        }
+
+    engines = wait_for("two ready replicas", replicas, 180)
+    url = cluster.router_url + "/chat/completions"
+    headers = {"Authorization": f"Bearer {key}"}
+
+    def read(body: dict[str, Any], kill: bool) -> Read:
+        out, texts, killed = Read(), 0, False
+        with (
+            httpx.Client(timeout=120) as h,
+            h.stream("POST", url, headers=headers, json=body) as resp,
+        ):
+            assert resp.status_code == 200, resp.read()
+            try:
+                for line in resp.iter_lines():
+                    if line == "data: [DONE]":
+                        out.done += 1
+                    elif line.startswith("data: "):
+                        out.chunks.append(json.loads(line[6:]))
+                        texts += bool(out.text)
+                        if kill and not killed and texts >= CUT_AFTER:
+                            # The router's own count: the endpoint it sent the request to.
+                            scrape = httpx.get(cluster.admin_url + "/metrics", timeout=10).text
+                            busy = [
+                                eid
+                                for eid in engines
+                                if sample(scrape, IN_FLIGHT, model="tiny", endpoint=eid)
+                            ]
+                            assert len(busy) == 1, busy
+                            os.kill(engines[busy[0]][1], signal.SIGKILL)
+                            killed = True
+            except httpx.RemoteProtocolError:
+                out.cut = True
+        assert killed or not kill
+        return out
+
+    # Both endpoints known to the router and healthy: the continuation has somewhere to go.
+    def routable() -> bool:
+        scrape = httpx.get(cluster.admin_url + "/metrics", timeout=10).text
+        healthy = "llmgw_router_endpoint_healthy"
+        return all(sample(scrape, healthy, model="tiny", endpoint=e) == 1 for e in engines)
+
+    wait_for("the router routes to both replicas", routable, 60)
+    whole = read(chat(), kill=False)
+    assert (whole.done, whole.finishes, len(whole.text)) == (1, ["length"], MAX_TOKENS)
+    joined = read(chat(), kill=True)
+    assert not joined.cut and joined.done == 1 and joined.finishes == ["length"]
+    assert len({c["id"] for c in joined.chunks}) == 1
+    assert joined.text == whole.text
+    metrics = httpx.get(cluster.admin_url + "/metrics", timeout=10).text
+    labels = {"model": "tiny", "api": "openai", "outcome": "continued", "reason": ""}
+    assert sample(metrics, "llmgw_router_stream_cuts_total", **labels) == 1
