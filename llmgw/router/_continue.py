@@ -61,12 +61,12 @@ class Join:
         "_echo_next",
         "_held",
         "_ids",
+        "_pieces",
         "_plan",
         "broke",
         "continued",
         "finished",
         "tally",
-        "text",
         "tokens",
         "unjoinable",
     )
@@ -78,7 +78,7 @@ class Join:
         self._base = 0  # tokens sent before the stream now relayed began
         self._echo_next = ""  # what the engine last asked will repeat of the text so far
         self._echo = ""  # what the continued stream now relayed is expected to repeat
-        self.text = ""
+        self._pieces: list[str] = []  # the text so far, as it came (joined when asked)
         self.tokens = 0
         self.finished = False  # a finish_reason went to the client
         self.unjoinable: _R | None = None  # what the engine streamed that is not text
@@ -92,6 +92,13 @@ class Join:
             f"<Join {self._plan.kind} tokens={self.tokens} continued={self.continued}"
             f" finished={self.finished} unjoinable={self.unjoinable}>"
         )
+
+    @property
+    def text(self) -> str:
+        """The answer's text the client has been sent."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def feed(self, chunk: bytes) -> bytes:
         """A relayed stream's bytes, as whole events for the client: the first stream's
@@ -205,7 +212,7 @@ class Join:
                         self.unjoinable = _R.TOOLS if key in _TOOL_KEYS else _R.REASONING
                 text = delta.get("content")
             if isinstance(text, str) and text:
-                self.text += text
+                self._pieces.append(text)
                 self.tokens += 1
 
     # --- splicing ----------------------------------------------------------------------
