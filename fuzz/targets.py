@@ -29,9 +29,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw.agent import discovery as d
-from llmgw.core import parse_xid_line
+from llmgw.core import parse_xid_line, resume_plan
 from llmgw.errors import ParseError
 from llmgw.host.os_release import parse_os_release
+from llmgw.router._continue import Join
 from llmgw.router._http1 import END, Failure, Head, RequestParser
 
 # The recorded samples live in the repository (tests/data/INDEX.md names their sources).
@@ -119,6 +120,30 @@ def _http_request(text: str) -> object:
     return events
 
 
+def _stream_join(text: str) -> object:
+    """The splice of a cut stream (llmgw/router/_continue.py) over an engine's SSE bytes,
+    fed whole and in 7-byte pieces: the same output either way; the first stream passes
+    unchanged; a continued one comes out as whole events only (or the held rest)."""
+    data = text.encode("utf-8", "replace")
+
+    def run(pieces: list[bytes]) -> tuple[bytes, bytes, str, int]:
+        request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        j = Join(resume_plan("/v1/chat/completions", {**request, "temperature": 0}))
+        first = b"".join(j.feed(p) for p in pieces) + j.rest()
+        j.body("llama-server")
+        j.begin()
+        second = b"".join(j.feed(p) for p in pieces) + j.rest()
+        return first, second, j.text, j.tokens
+
+    whole = run([data])
+    assert whole == run([data[i : i + 7] for i in range(0, len(data), 7)]), data
+    assert whole[0] == data
+    return whole
+
+
+_SSE_SEEDS = tuple(
+    "\n\n".join(t.split("\n\n", 3)[:3]) + "\n\n" for t in _fixtures("llama-server-*.sse")
+)
 _CHAT = b'{"model":"chat","messages":[{"role":"user","content":"hi"}]}'
 _HTTP_SEEDS = tuple(
     s.decode("latin-1")
@@ -177,6 +202,7 @@ TARGETS: dict[str, Target] = {
         Target("http_request", _http_request, _HTTP_SEEDS),
         Target("kernel_log_xids", _kernel_log, _fixtures("kernlog-*")),
         Target("smi_q_memory", d.parse_smi_q_memory, _fixtures("q-*", "smiq-*")),
+        Target("stream_join", _stream_join, _SSE_SEEDS),
     )
 }
 

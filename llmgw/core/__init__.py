@@ -11,6 +11,14 @@ from llmgw.core._attempt import (
 )
 from llmgw.core._backoff import Backoff, BackoffPolicy, backoff_failure, backoff_settled
 from llmgw.core._breaker import Breaker, BreakerConfig, BreakerEvent, BreakerState
+from llmgw.core._continuation import (
+    CONTINUATION_REFUSALS,
+    ContinuationRefusal,
+    ResumePlan,
+    continuation_body,
+    prefill_echo,
+    resume_plan,
+)
 from llmgw.core._drain import DrainDecision, DrainingReplica, DrainInput, drain_model
 from llmgw.core._estimates import EngineReport, Estimates, learn
 from llmgw.core._facts import (
@@ -140,6 +148,7 @@ from llmgw.model import ShardState
 __all__ = [
     "ALIVE_REPLICA_STATES",
     "ATTEMPT_VERDICTS",
+    "CONTINUATION_REFUSALS",
     "MARKER",
     "NO_MATCH",
     "PARTIAL_SUFFIX",
@@ -162,6 +171,7 @@ __all__ = [
     "BreakerEvent",
     "BreakerState",
     "ConnectionLost",
+    "ContinuationRefusal",
     "Decision",
     "DesiredModel",
     "DrainDecision",
@@ -200,6 +210,7 @@ __all__ = [
     "ReplicaState",
     "ReplicaView",
     "RequestEstimate",
+    "ResumePlan",
     "RolloutControl",
     "RolloutDecision",
     "RolloutMember",
@@ -237,6 +248,7 @@ __all__ = [
     "choose",
     "classify_source",
     "classify_xid",
+    "continuation_body",
     "decide",
     "drain_input",
     "drain_model",
@@ -261,8 +273,10 @@ __all__ = [
     "place",
     "placement_profile",
     "plan_reclaim",
+    "prefill_echo",
     "reconcile",
     "registered",
+    "resume_plan",
     "rollout_model",
     "route",
     "shares",

@@ -8,11 +8,11 @@ is told and whether another endpoint is tried; the loop does the I/O and
 follows the table. Every pair has
 a verdict (the table's length is asserted), so no outcome can go untold.
 
-| phase \\ outcome | failed          | succeeded | cancelled |
-|-----------------|-----------------|-----------|-----------|
-| head            | FAILURE, retry  | SUCCESS   | CANCEL    |
-| whole_body      | BROKEN, retry   | COMPLETE  | -         |
-| stream          | BROKEN          | COMPLETE  | -         |
+| phase \\ outcome | failed           | succeeded | cancelled |
+|-----------------|------------------|-----------|-----------|
+| head            | FAILURE, retry   | SUCCESS   | CANCEL    |
+| whole_body      | BROKEN, retry    | COMPLETE  | -         |
+| stream          | BROKEN, resume   | COMPLETE  | -         |
 
 - head: the request is sent and the engine's head is awaited. `failed` is an
   upstream error (refused, reset, a reply that is not HTTP, a head cut short,
@@ -28,8 +28,17 @@ a verdict (the table's length is asserted), so no outcome can go untold.
   verdict, see the breaker), and since still nothing has reached the client,
   another endpoint is tried.
 - stream: the head has been sent to the client, chunks pass through as they
-  come. A break is `broken`, and too late to retry: the client gets an error
-  event in its route's shape and the connection is cut.
+  come. A break is `broken`, and too late to retry: the request cannot be
+  sent again as it was. It is `resume`d instead where the request allows it
+  (llmgw/core/_continuation.py: greedy chat or completions, no n > 1,
+  logprobs, guidance, tools, penalties or stop strings): another endpoint is
+  sent the prompt plus the text already sent, and its stream is spliced into
+  the client's (llmgw/router/_continue.py), while attempts and endpoints are
+  left. Otherwise, or when none is left, the client gets a final error event
+  in its route's shape (OpenAI's `data: {"error": ...}`, Anthropic's `event:
+  error`) and the connection is cut. A continued stream's own head failing
+  is a head failure like any other (its request is retried elsewhere, as
+  nothing of it has reached the client).
 - cancelled: the client left (or the request was cancelled otherwise). At
   the head there is no verdict on the endpoint (`cancel`, which in half_open
   hands the probe back); after it, the head's verdict was already told.
@@ -60,6 +69,8 @@ class AttemptOutcome(enum.StrEnum):
 class AttemptVerdict:
     breaker: BreakerEvent | None  # what the endpoint's breaker is told; None: nothing
     retry: bool  # try another endpoint (while attempts and endpoints are left)
+    # Continue the answer on another endpoint, where the request allows it (a stream).
+    resume: bool = False
 
 
 _P = AttemptPhase
@@ -73,7 +84,7 @@ ATTEMPT_VERDICTS: dict[tuple[AttemptPhase, AttemptOutcome], AttemptVerdict] = {
     (_P.WHOLE_BODY, _O.FAILED): AttemptVerdict(_E.BROKEN, retry=True),
     (_P.WHOLE_BODY, _O.SUCCEEDED): AttemptVerdict(_E.COMPLETE, retry=False),
     (_P.WHOLE_BODY, _O.CANCELLED): AttemptVerdict(None, retry=False),
-    (_P.STREAM, _O.FAILED): AttemptVerdict(_E.BROKEN, retry=False),
+    (_P.STREAM, _O.FAILED): AttemptVerdict(_E.BROKEN, retry=False, resume=True),
     (_P.STREAM, _O.SUCCEEDED): AttemptVerdict(_E.COMPLETE, retry=False),
     (_P.STREAM, _O.CANCELLED): AttemptVerdict(None, retry=False),
 }

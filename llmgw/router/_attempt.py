@@ -6,8 +6,10 @@ answer on: status, headers and body chunks as they arrive. What each phase's
 outcome tells the endpoint's breaker, and whether another endpoint is tried,
 is the pure table in llmgw/core/_attempt.py (`ATTEMPT_VERDICTS`); this module
 does the I/O and follows it. A retry happens only while nothing has reached
-the client. An answer the engine reported figures for teaches the endpoint's
-prefix index and the model's estimates (`learn`).
+the client; after that, a stream the request allows it for is continued on
+another endpoint instead (`Join`, llmgw/router/_continue.py). An answer the
+engine reported figures for teaches the endpoint's prefix index and the
+model's estimates (`learn`).
 """
 
 from __future__ import annotations
@@ -19,15 +21,18 @@ import trio
 
 from llmgw.core import (
     ATTEMPT_VERDICTS,
+    CONTINUATION_REFUSALS,
     AttemptOutcome,
     AttemptPhase,
     Breaker,
     BreakerEvent,
+    ContinuationRefusal,
     Match,
     head_outcome,
     learn,
 )
 from llmgw.router import _surface
+from llmgw.router._continue import Join
 from llmgw.router._fleet import Fleet, Model
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._record import Ask, Record
@@ -129,6 +134,15 @@ class Sent:
         self.state.in_flight -= 1
 
 
+def _route_refusal(ask: Ask) -> ContinuationRefusal:
+    """Why a stream with no `Join` is not continued."""
+    plan = ask.resume
+    return plan.refusal if plan is not None and plan.refusal is not None else _NOT_RESUMABLE
+
+
+_NOT_RESUMABLE = ContinuationRefusal.ROUTE
+
+
 def _upstream_error(model: str, exc: UpstreamError) -> HttpError:
     if isinstance(exc, ConnectFailed):
         return _surface.upstream_error(model, "connect", exc)
@@ -156,6 +170,10 @@ class Attempts:
         """Answer the admitted request; raises the HttpError to answer when no attempt did."""
         tried: set[str] = set()
         last: HttpError | None = None
+        join: Join | None = None  # a stream cut after its head went out, being continued
+        # Why the last endpoint tried did not continue it: (metric reason, words).
+        refused: tuple[str, str] | None = None
+        body = ask.body
         start = trio.current_time()
         prompt = ask.prompt
         fleet, metrics = self._fleet, self._metrics
@@ -166,10 +184,16 @@ class Attempts:
             if picked is None:
                 break
             state, match, spilled = picked
-            if attempt:
+            if attempt and join is None:
                 metrics.retried(model.name)
             eid = state.endpoint.endpoint_id
             tried.add(eid)
+            if join is not None:
+                asked = join.body(state.endpoint.engine)
+                if not isinstance(asked, bytes):  # this engine cannot continue it; another may
+                    refused = (asked.value, CONTINUATION_REFUSALS[asked])
+                    continue
+                body = asked
             breaker = state.breaker
             if not breaker.allow(now):
                 continue  # lost the half-open probe to another request since choosing
@@ -193,7 +217,7 @@ class Attempts:
                     resp = await state.pool.request(
                         b"POST",
                         ask.path.encode(),
-                        ask.body,
+                        body,
                         headers=((b"content-type", ask.content_type),),
                         timeouts=self._timeouts,
                     )
@@ -217,11 +241,25 @@ class Attempts:
                             log.info("%s answered %d; trying another endpoint", eid, resp.status)
                             resp.close()
                             continue
-                    failed, report = await self._relay(resp, ask, send, record, start, sent)
+                    if join is not None and (
+                        resp.status != 200 or resp.header(b"content-length") is not None
+                    ):
+                        # Its own answer (a 4xx, a whole body) cannot join a stream begun.
+                        log.info("%s did not stream a continuation: %d", eid, resp.status)
+                        refused = ("status", f"{eid} answered {resp.status}")
+                        continue
+                    failed, report, cut = await self._relay(
+                        resp, ask, send, record, start, sent, join
+                    )
                 finally:
                     resp.close()
+                if cut is not None:
+                    join, refused = cut, None  # continued on the next endpoint chosen
+                    continue
                 if failed is None:
-                    if report is not None:
+                    if join is not None:
+                        metrics.stream_cut(model.name, record.errors, None)
+                    elif report is not None:  # (a continuation's report is on another prompt)
                         self._learned(model, ask, sent, report)
                     return
                 last = failed  # a whole answer broke before any of it was sent: try another
@@ -229,9 +267,25 @@ class Attempts:
                 sent.done()
                 if not told:
                     _tell(breaker, _HEAD, AttemptOutcome.CANCELLED)
+        if join is not None:
+            # The head is out: the client learns in its stream that no endpoint finished.
+            why = "no other endpoint could continue it" + (f": {refused[1]}" if refused else "")
+            reason = refused[0] if refused else "no_replica"
+            await self._cut(model.name, record, send, why, code=join.broke, reason=reason)
+            return
         if last is not None:
             raise last
         raise _surface.no_replica(model.name, reachable=bool(model.endpoints))
+
+    async def _cut(
+        self, model: str, record: Record, send: Send, detail: object, *, code: str, reason: str
+    ) -> None:
+        """End a stream that broke and is not continued: the final error event in the
+        route's shape, counted; returning mid-body makes the server cut the connection,
+        so no client takes the stream for complete."""
+        self._metrics.stream_cut(model, record.errors, reason)
+        event = _surface.broken_stream(record.errors, detail, status=record.status, code=code)
+        await send({"type": "http.response.body", "body": event, "more_body": True})
 
     def _learned(self, model: Model, ask: Ask, sent: Sent, report: _surface.CacheReport) -> None:
         """The engine's word on the answer: it corrects the index and the estimates."""
@@ -259,9 +313,14 @@ class Attempts:
         record: Record,
         start: float,
         sent: Sent,
-    ) -> tuple[HttpError | None, _surface.CacheReport | None]:
+        join: Join | None = None,
+    ) -> tuple[HttpError | None, _surface.CacheReport | None, Join | None]:
         """Pass the answer on. Returns the error to retry with when it broke before any
-        byte was sent, and the engine's report on the answer, when it gave one.
+        byte was sent, the engine's report on the answer, when it gave one, and the
+        `Join` to continue with when a stream broke and may be continued elsewhere.
+
+        With `join`, this answer continues a stream already begun: the head is not
+        sent again, and the chunks are spliced into the client's stream.
 
         How the body went is the breaker's too (`broken` or `complete`), counted
         apart from the head's verdict: an engine that answers and then hangs.
@@ -279,7 +338,7 @@ class Attempts:
                 data = await resp.read()
             except UpstreamError as exc:
                 _tell(breaker, _WHOLE, _FAILED)  # a retry: nothing has reached the client
-                return self._failed(model, state.endpoint.endpoint_id, exc), None
+                return self._failed(model, state.endpoint.endpoint_id, exc), None, None
             _tell(breaker, _WHOLE, _SUCCEEDED)
             sent.answering()
             if resp.status == 200:
@@ -292,34 +351,53 @@ class Attempts:
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             record.complete = True
             await send({"type": "http.response.body", "body": data})
-            return None, report
-        record.responded = True
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            return None, report, None
+        if join is None:
+            record.responded = True
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            plan = ask.resume
+            if plan is not None and plan.refusal is None:
+                join = Join(plan)  # watched from the first byte, in case it is cut
+        else:
+            join.begin()
         first = True
-        tally = _surface.StreamUsage()
+        tally = join.tally if join is not None else _surface.StreamUsage()
         strip = _surface.UsageStrip() if ask.strip_usage else None
         while True:
             try:
                 chunk = await resp.next_chunk()
             except UpstreamError as exc:
-                # Too late to retry or to change the status (the table: no retry here):
-                # tell an SSE client in its own terms, then cut the connection so no
-                # client takes it for complete.
+                # Too late to retry or to change the status (the table: no retry here).
+                # Continued elsewhere where the request allows it; otherwise the client
+                # is told in its own terms and the connection cut.
                 record.status = 502 if not isinstance(exc, UpstreamTimeout) else 504
+                resume = ATTEMPT_VERDICTS[_STREAM, _FAILED].resume
                 _tell(breaker, _STREAM, _FAILED)
                 metrics.upstream_failure(model, state.endpoint.endpoint_id, exc.phase)
                 log.warning("%s: stream broken mid-response: %s", model, exc)
-                event = _surface.broken_stream(
-                    record.errors, exc, status=record.status, code=exc.phase
+                refusal = join.refusal() if join is not None else _route_refusal(ask)
+                if resume and join is not None and refusal is None:
+                    log.info("%s: continuing the stream after %d tokens", model, join.tokens)
+                    join.broke = exc.phase
+                    return None, report, join
+                await self._cut(
+                    model,
+                    record,
+                    send,
+                    exc,
+                    code=exc.phase,
+                    reason=refusal.value if refusal is not None else "no_replica",
                 )
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-                return None, report  # returning mid-body makes the server close the connection
+                return None, report, None
             if chunk is None:
                 break
             if first:
                 first = False
-                record.ttft = trio.current_time() - start
+                if record.ttft is None:  # a continued stream's first chunk is not the answer's
+                    record.ttft = trio.current_time() - start
                 sent.answering()
+            if join is not None:
+                chunk = join.feed(chunk)  # whole events, a continued one made the first's
             seen = chunk
             if strip is not None:  # whole events only; the usage-only one taken out
                 chunk, removed = strip.feed(chunk)
@@ -335,14 +413,18 @@ class Attempts:
             if resp.done:
                 _tell(breaker, _STREAM, _SUCCEEDED)
                 record.complete = True
+                if join is not None:
+                    chunk += join.rest()
                 if strip is not None:
                     chunk += strip.end()
                 await send({"type": "http.response.body", "body": chunk})
-                return None, report
+                return None, report, None
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         _tell(breaker, _STREAM, _SUCCEEDED)
         record.complete = True
-        rest = strip.end() if strip is not None else b""
+        rest = join.rest() if join is not None else b""
+        if strip is not None:
+            rest = (strip.feed(rest)[0] if rest else b"") + strip.end()
         await send({"type": "http.response.body", "body": rest})
-        return None, report
+        return None, report, None

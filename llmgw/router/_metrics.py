@@ -142,6 +142,15 @@ class RouterMetrics:
             ["split", "version", "how"],
             registry=registry,
         )
+        self.stream_cuts = Counter(
+            "llmgw_router_stream_cuts",
+            "Streams whose engine broke after their head reached the client, by the "
+            "route's API (openai, anthropic): continued (another endpoint finished the "
+            "answer) or error (the client got the final error event; reason: why it was "
+            "not continued)",
+            ["model", "api", "outcome", "reason"],
+            registry=registry,
+        )
         self.tenant_requests = Counter(
             "llmgw_tenant_requests",
             "Inference requests its limits let through, by tenant, however they ended",
@@ -206,6 +215,11 @@ class RouterMetrics:
 
     def upstream_failure(self, model: str, endpoint: str, phase: str) -> None:
         self.failures.labels(model, endpoint, phase).inc()
+
+    def stream_cut(self, model: str, api: str, reason: str | None) -> None:
+        """A stream broke after its head was sent: continued (`reason` None) or not."""
+        outcome = "continued" if reason is None else "error"
+        self.stream_cuts.labels(model, api, outcome, reason or "").inc()
 
     def prompt_cache(self, model: str, endpoint: str, cached: int, outcome: str | None) -> None:
         """An engine reported how much of a prompt it had cached; `outcome`: how the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import attrs
 
+from llmgw.core import ResumePlan
 from llmgw.router import _surface
 
 
@@ -35,6 +36,8 @@ class Ask:
     prompt: Prompt | None  # None: a route with no prompt (embeddings, audio, ...)
     affinity: str | None  # the affinity header's value, when configured and sent
     strip_usage: bool  # the router asked for the usage chunk; the client did not
+    # A stream's continuation after a cut: whether it may be, and what to extend.
+    resume: ResumePlan | None = None
 
 
 @attrs.define(slots=True)

@@ -23,6 +23,7 @@ engine cancels its generation.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import random
@@ -32,7 +33,7 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry
 
-from llmgw.core import Band, Queued, Reject, ScoringConfig, chain
+from llmgw.core import Band, Queued, Reject, ResumePlan, ScoringConfig, chain, resume_plan
 from llmgw.errors import LlmgwError
 from llmgw.keys import ApiKey
 from llmgw.router import _listing, _request_id, _server, _surface
@@ -382,6 +383,7 @@ class Router:
         content_type = _surface.JSON_CONTENT_TYPE
         prompt: Prompt | None = None
         strip_usage = False
+        resume: ResumePlan | None = None
         if route.body == "form":
             form_type = _header(scope, b"content-type")
             name, stream = _surface.form_model(body, form_type)
@@ -404,6 +406,8 @@ class Router:
                 asked = _surface.ask_usage(path, request)
                 if asked is not None:
                     body, strip_usage = asked, True
+                # What a continuation would extend: the request as the engine gets it.
+                resume = resume_plan(path, json.loads(body) if strip_usage else request)
         affinity = None
         if self._affinity is not None:
             for hname, value in scope["headers"]:
@@ -427,7 +431,7 @@ class Router:
         record.tenant, record.key_id = key.tenant, key.key_id
         if not model.endpoints:
             raise _surface.no_replica(name)
-        ask = Ask(path, body, content_type, stream, prompt, affinity, strip_usage)
+        ask = Ask(path, body, content_type, stream, prompt, affinity, strip_usage, resume)
         if _server.EXTENSION in scope.get("extensions", ()):
             # The server cancels this task when the client leaves: no watcher needed.
             try:

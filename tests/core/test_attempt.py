@@ -87,6 +87,9 @@ EXPECTED: dict[tuple[AttemptPhase, AttemptOutcome], tuple[str | None, bool, tupl
             "test_robustness.py::test_an_engine_that_hangs_mid_stream_is_counted_and_its_breaker_opens",
             "test_robustness.py::test_a_stream_cut_mid_body_is_counted_as_mid_body",
             "test_proxy.py::test_a_replica_that_hangs_mid_stream_times_out_and_frees_the_slot",
+            # resumed: a greedy stream continued elsewhere, or refused with the error event
+            "test_stream_continuation.py::test_a_cut_greedy_chat_stream_is_continued_on_another_endpoint",
+            "test_stream_continuation.py::test_a_stream_that_may_not_be_continued_ends_with_the_error_event",
         ),
     ),
     (STREAM, SUCCEEDED): (
@@ -144,6 +147,14 @@ def test_only_a_head_or_an_unsent_body_is_retried() -> None:
     """The loop's one rule about the client: nothing of the answer has reached it."""
     retried = {pair for pair, v in ATTEMPT_VERDICTS.items() if v.retry}
     assert retried == {(HEAD, FAILED), (WHOLE, FAILED)}
+
+
+def test_only_a_broken_stream_is_resumed() -> None:
+    """Continuing on another endpoint is for an answer that has begun reaching the
+    client; before that, the request is retried as it was."""
+    resumed = {pair for pair, v in ATTEMPT_VERDICTS.items() if v.resume}
+    assert resumed == {(STREAM, FAILED)}
+    assert not ATTEMPT_VERDICTS[STREAM, FAILED].retry
 
 
 def test_a_verdict_on_the_head_is_always_given_and_a_body_has_its_own() -> None:

@@ -596,10 +596,15 @@ async def test_a_stream_cut_midway_ends_with_an_error_event_in_the_routes_shape(
         error = json.loads(data.removeprefix(b"data: "))
         assert error["type"] == "error" and error["error"]["type"] == "api_error"
         assert error["error"]["message"].startswith("the model's replica failed mid-response")
+        # Counted, with why it was not continued (only chat and completions are).
+        cuts = "llmgw_router_stream_cuts_total"
+        labels = {"model": "m", "outcome": "error", "reason": "route"}
+        assert sample(r.metrics_text(), cuts, api="anthropic", **labels) == 1
         got = await read("/v1/responses")
         tail = got[len(RESPONSE_EVENTS[0]) :]
         assert got.startswith(RESPONSE_EVENTS[0]) and tail.startswith(b"data: {")
         assert json.loads(tail.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+        assert sample(r.metrics_text(), cuts, api="openai", **labels) == 1
         # The anthropic SDK raises on that event, with its body.
         c = anthropic.Anthropic(base_url=r.url, api_key=SECRET_A, max_retries=0, timeout=30)
 
