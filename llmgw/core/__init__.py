@@ -12,7 +12,7 @@ from llmgw.core._attempt import (
 from llmgw.core._backoff import Backoff, BackoffPolicy, backoff_failure, backoff_settled
 from llmgw.core._breaker import Breaker, BreakerConfig, BreakerEvent, BreakerState
 from llmgw.core._drain import DrainDecision, DrainingReplica, DrainInput, drain_model
-from llmgw.core._estimates import EngineReport, Estimates, learn
+from llmgw.core._estimates import EngineReport, Estimates, learn, learn_pace
 from llmgw.core._facts import (
     allocations,
     drain_input,
@@ -89,6 +89,7 @@ from llmgw.core._shard import HealthRun, ShardEvent
 from llmgw.core._shard import InvalidTransition as InvalidShardTransition
 from llmgw.core._shard import next_state as next_shard_state
 from llmgw.core._units import bytes_text
+from llmgw.core._wedge import EndpointActivity, InFlight, WedgeConfig, Wedged, wedged
 from llmgw.core._weights import (
     MARKER,
     PARTIAL_SUFFIX,
@@ -142,6 +143,7 @@ __all__ = [
     "DrainDecision",
     "DrainInput",
     "DrainingReplica",
+    "EndpointActivity",
     "EndpointLoad",
     "EngineReport",
     "Estimates",
@@ -149,6 +151,7 @@ __all__ = [
     "GpuFacts",
     "HealthRun",
     "HeartbeatSeen",
+    "InFlight",
     "InvalidShardTransition",
     "Liveness",
     "LivenessEvent",
@@ -195,6 +198,8 @@ __all__ = [
     "TreeFile",
     "TreeLink",
     "Verdict",
+    "WedgeConfig",
+    "Wedged",
     "allocations",
     "attempt_verdict",
     "backoff_failure",
@@ -214,6 +219,7 @@ __all__ = [
     "head_outcome",
     "is_cache_name",
     "learn",
+    "learn_pace",
     "may_delete",
     "next_shard_state",
     "node_facts",
@@ -227,5 +233,6 @@ __all__ = [
     "socket_interface",
     "step",
     "wanted_cache_names",
+    "wedged",
     "weights_key",
 ]

@@ -212,8 +212,10 @@ def test_catalog_placement_and_reconciler(cluster: LocalCluster, tmp_path: Path)
     wait_for("embed's engines stopped", lambda: not any(alive(p) for p in embed_pids), 30)
     wait_for(
         "chat rolling",
-        lambda: any(r["stale"] for r in fleet.replicas() if r["model"] == "chat")
-        or "done" in cluster.ctl("rollout", "status", "chat").stdout,
+        lambda: (
+            any(r["stale"] for r in fleet.replicas() if r["model"] == "chat")
+            or "done" in cluster.ctl("rollout", "status", "chat").stdout
+        ),
         20,
     )
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import attrs
 import trio
@@ -51,6 +51,7 @@ from llmgw.cp._fleet._rollouts import Rollouts
 from llmgw.cp._fleet._settle import Settle
 from llmgw.cp._fleet._shards import PORTS
 from llmgw.cp._fleet._wake import Wakeup
+from llmgw.cp._fleet._wedged import WedgedReplicas
 from llmgw.cp._weights._sizes import Measuring
 from llmgw.errors import DeadlineExceeded, LlmgwError, StaleEpoch
 
@@ -104,6 +105,7 @@ class Reconciler:
         in_flight: Callable[[str, str], int | None] | None = None,
         backoff: core.BackoffPolicy | None = None,
         rollouts: Rollouts | None = None,
+        wedged: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
@@ -143,6 +145,7 @@ class Reconciler:
         # the last pass acted on: server.yaml's, with undone models pinned.
         self.rollouts = rollouts if rollouts is not None else Rollouts()
         self._models: Catalog | None = None
+        self.wedged = WedgedReplicas(wedged)  # llmgw/cp/_fleet/_wedged.py
 
     def __repr__(self) -> str:
         return f"<Reconciler {self.statistics()}>"
@@ -234,6 +237,7 @@ class Reconciler:
                                  self._retiring.since(), self.drain_timeout_s,
                                  also=stale)  # fmt: skip
         controls = self.rollouts.controls(self._unplaced.keys())
+        self.wedged.note(seen, now)
 
         def reconcile() -> Plan:
             return core.reconcile(
@@ -244,7 +248,7 @@ class Reconciler:
                 guard_held_at=self._guard_held_at, ready_since=ready_since,
                 settle_s=self._settle.settle_s,
                 backoff=self.backoff.current(), backoff_policy=self.backoff.policy,
-                rollouts=controls,
+                rollouts=controls, wedged=self.wedged.reasons,
             )  # fmt: skip
 
         plan = reconcile()
@@ -257,6 +261,7 @@ class Reconciler:
             plan = reconcile()  # a failure seen in this pass delays its own replacement
         if plan.cut_off:
             self._guard_held_at = now
+        self.wedged.planned(plan, now)
         retiring = [v.replica_id for v in plan.replicas if v.state == core.ReplicaState.RETIRING]
         self._retiring.note(retiring, now)
         return plan
@@ -496,8 +501,8 @@ class Reconciler:
 
     def replicas(self) -> list[ReplicaView]:
         """The last plan's replicas, then starts in flight not reported yet, then starts
-        that never reached their agent (with why), for `FAILED_START_VISIBLE_S`."""
-        return _views(self._last_plan, self._pending, self._failed_starts)
+        that never reached their agent (with why), and wedged ones, for 10 minutes."""
+        return _views(self._last_plan, self._pending, self.wedged.views() | self._failed_starts)
 
     def unplaced(self) -> list[Unplaced]:
         return list(self._unplaced.values())
