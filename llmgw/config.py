@@ -181,6 +181,11 @@ class AgentConfig:
     health_interval_s: float = attrs.field(default=5.0, validator=between(0.1, 3600))
     health_timeout_s: float = attrs.field(default=5.0, validator=positive(300))
     health_failures: int = attrs.field(default=3, validator=between(1, 1000))
+    # A shard that generates is also asked for one token (llmgw/agent/_health.py): before
+    # it is reported ready, then at most every generation_probe_interval_s; each answer
+    # within generation_probe_timeout_s.
+    generation_probe_interval_s: float = attrs.field(default=30.0, validator=between(1, 86400))
+    generation_probe_timeout_s: float = attrs.field(default=30.0, validator=positive(3600))
     # Failed shards whose logs stay under state_dir/failed/.
     failed_shards_kept: int = attrs.field(default=5, validator=between(0, 1000))
     # The start-up inventory; a probe past it is a warning.

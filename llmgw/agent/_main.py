@@ -166,6 +166,8 @@ async def serve(cfg: config.AgentConfig) -> None:
             interval_s=cfg.health_interval_s,
             timeout_s=cfg.health_timeout_s,
             failures=cfg.health_failures,
+            probe_interval_s=cfg.generation_probe_interval_s,
+            probe_timeout_s=cfg.generation_probe_timeout_s,
         ),
         failed_kept=cfg.failed_shards_kept,
         node_id=cfg.node_id,

@@ -20,7 +20,7 @@ from llmgw.core._continuation import (
     resume_plan,
 )
 from llmgw.core._drain import DrainDecision, DrainingReplica, DrainInput, drain_model
-from llmgw.core._estimates import EngineReport, Estimates, learn
+from llmgw.core._estimates import EngineReport, Estimates, learn, learn_pace
 from llmgw.core._facts import (
     allocations,
     drain_input,
@@ -106,6 +106,7 @@ from llmgw.core._traffic import (
     shares,
 )
 from llmgw.core._units import bytes_text
+from llmgw.core._wedge import EndpointActivity, InFlight, WedgeConfig, Wedged, wedged
 from llmgw.core._weights import (
     MARKER,
     PARTIAL_SUFFIX,
@@ -177,6 +178,7 @@ __all__ = [
     "DrainDecision",
     "DrainInput",
     "DrainingReplica",
+    "EndpointActivity",
     "EndpointLoad",
     "EngineReport",
     "Estimates",
@@ -184,6 +186,7 @@ __all__ = [
     "GpuFacts",
     "HealthRun",
     "HeartbeatSeen",
+    "InFlight",
     "InvalidShardTransition",
     "Liveness",
     "LivenessEvent",
@@ -235,6 +238,8 @@ __all__ = [
     "TreeFile",
     "TreeLink",
     "Verdict",
+    "WedgeConfig",
+    "Wedged",
     "XidClass",
     "XidLine",
     "allocations",
@@ -263,6 +268,7 @@ __all__ = [
     "is_cache_name",
     "keep_faults",
     "learn",
+    "learn_pace",
     "may_delete",
     "memory_faults",
     "next_shard_state",
@@ -284,6 +290,7 @@ __all__ = [
     "step",
     "unhealthy_words",
     "wanted_cache_names",
+    "wedged",
     "weights_key",
     "xid_fault",
 ]

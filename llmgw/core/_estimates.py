@@ -20,6 +20,16 @@ one (`Estimates.request`) before an endpoint is chosen (llmgw/core/_scoring.py).
   (measured: 85 against 8 alone), and taken at face value that would make any
   busy endpoint look dear. 4 until a reading.
 
+- `prompt_ms_per_token`: llama.cpp's own prefill rate (its timings'
+  `prompt_per_token_ms`, read when it computed at least 256 prompt tokens), a
+  moving average: how long a long prompt's prefill takes, which raises the
+  wedge threshold for it (llmgw/core/_wedge.py). None for engines that report
+  no timings.
+- `answer_s_per_token`: the router's own measure of a whole (non-streamed)
+  answer's time over its output tokens (`learn_pace`, answers of 8 tokens or
+  more), a moving average: how long a non-streamed answer, which sends nothing
+  until it is done, is expected to take.
+
 None is unknown, and stays unknown until a reading comes: a figure is never
 learned from a report that does not carry it.
 """
@@ -40,6 +50,7 @@ ENVELOPE_WEIGHT = 0.02  # how far a reading above the decode cost's envelope mov
 MIN_PROMPT_TOKENS = 16
 BYTES_PER_TOKEN_RANGE = (0.05, 64.0)
 MIN_COMPUTED_TOKENS = 256
+MIN_PACE_TOKENS = 8
 DECODE_COST_RANGE = (0.1, 10_000.0)
 
 
@@ -70,6 +81,23 @@ class Estimates:
     bytes_per_token: float | None = None
     output_tokens: float | None = None
     decode_cost: float | None = None
+    prompt_ms_per_token: float | None = None
+    answer_s_per_token: float | None = None
+
+    def first_byte_s(self, prompt_tokens: float, output_tokens: float, whole: bool) -> float | None:
+        """How long the engine may take before its first byte, where it can be told:
+        the prefill of `prompt_tokens` (uncached) at the learned rate, and for a `whole`
+        (non-streamed) answer the `output_tokens` at the learned pace too; None: unknown."""
+        prefill = (
+            prompt_tokens * self.prompt_ms_per_token / 1000.0
+            if self.prompt_ms_per_token is not None
+            else None
+        )
+        if not whole:
+            return prefill
+        if self.answer_s_per_token is None:
+            return prefill
+        return (prefill or 0.0) + output_tokens * self.answer_s_per_token
 
     def request(self, prompt_bytes: int | None, max_tokens: int | None = None) -> RequestEstimate:
         """The estimate for a request whose prompt renders to `prompt_bytes` (None: a route
@@ -95,10 +123,11 @@ class Estimates:
 def learn(estimates: Estimates, prompt_bytes: int | None, report: EngineReport) -> Estimates:
     """The estimates once `report` (about a prompt of `prompt_bytes`, None: no prompt) is
     counted; the same object when it taught nothing."""
-    bytes_per_token, output_tokens, decode_cost = (
+    bytes_per_token, output_tokens, decode_cost, prompt_ms = (
         estimates.bytes_per_token,
         estimates.output_tokens,
         estimates.decode_cost,
+        estimates.prompt_ms_per_token,
     )
     prompt_tokens = report.prompt_tokens
     if prompt_bytes is not None and prompt_tokens and prompt_tokens >= MIN_PROMPT_TOKENS:
@@ -113,10 +142,29 @@ def learn(estimates: Estimates, prompt_bytes: int | None, report: EngineReport) 
         if DECODE_COST_RANGE[0] <= ratio <= DECODE_COST_RANGE[1]:
             old = decode_cost
             decode_cost = ratio if old is None or ratio < old else ewma(old, ratio, ENVELOPE_WEIGHT)
-    if (bytes_per_token, output_tokens, decode_cost) == (
+    if per_prompt and (report.prompt_n or 0) >= MIN_COMPUTED_TOKENS:
+        prompt_ms = ewma(prompt_ms, per_prompt)
+    if (bytes_per_token, output_tokens, decode_cost, prompt_ms) == (
         estimates.bytes_per_token,
         estimates.output_tokens,
         estimates.decode_cost,
+        estimates.prompt_ms_per_token,
     ):
         return estimates
-    return Estimates(bytes_per_token, output_tokens, decode_cost)
+    return attrs.evolve(
+        estimates,
+        bytes_per_token=bytes_per_token,
+        output_tokens=output_tokens,
+        decode_cost=decode_cost,
+        prompt_ms_per_token=prompt_ms,
+    )
+
+
+def learn_pace(estimates: Estimates, seconds: float, completion_tokens: int | None) -> Estimates:
+    """The estimates once a whole answer of `completion_tokens` took `seconds` from send to
+    its end (the router's clock); the same object when it taught nothing (under
+    `MIN_PACE_TOKENS` tokens, or none reported)."""
+    if completion_tokens is None or completion_tokens < MIN_PACE_TOKENS or seconds <= 0:
+        return estimates
+    pace = ewma(estimates.answer_s_per_token, seconds / completion_tokens)
+    return attrs.evolve(estimates, answer_s_per_token=pace)

@@ -14,6 +14,10 @@ Rules, in order:
   (counted from `unhealthy_since`, which the shell keeps), or not ready within
   its profile's startup timeout (counted from when it was first seen; progress
   does not reset it): stopped and replaced;
+- a live replica a router quarantined as wedged (`wedged`: replica id -> the
+  router's reason, llmgw/core/_wedge.py): failed with that reason, so stopped
+  and replaced (the router sends it nothing meanwhile), and counted as its
+  model's failure by the backoff;
 - a replica with a rank on an unreachable node, or a rank unhealthy for less
   than `unhealthy_replace_s`: left alone, and counted;
 - more replicas than wanted: the least advanced, then the newest, stopped;
@@ -209,6 +213,7 @@ def reconcile(
     backoff: Mapping[str, Backoff] | None = None,
     backoff_policy: BackoffPolicy = BACKOFF_POLICY,
     rollouts: Mapping[str, RolloutControl] | None = None,
+    wedged: Mapping[str, str] | None = None,
 ) -> Plan:
     """The actions that bring `shards` toward `desired`.
 
@@ -222,6 +227,7 @@ def reconcile(
     `settle_s`, `settle_max_s`: the guard's hysteresis, in the module's rules.
     `backoff`: model -> its restart backoff, under `backoff_policy`.
     `rollouts`: model -> the operator's word and the shell's memory of its rollout.
+    `wedged`: replica id -> why a router quarantined it as wedged.
     """
     pending = pending or {}
     unhealthy_since = unhealthy_since or {}
@@ -268,6 +274,8 @@ def reconcile(
         state, reason = _replica_state(
             members, d, seen, now, rank_grace_s, unhealthy_since, unhealthy_replace_s
         )
+        if wedged and replica_id in wedged and state in ALIVE:
+            state, reason = ReplicaState.FAILED, wedged[replica_id]
         stale = d is not None and any(
             s.fingerprint is not None and s.fingerprint not in d.fingerprints for s in members
         )

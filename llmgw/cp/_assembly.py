@@ -33,6 +33,7 @@ from llmgw.cp._fleet._endpoints import (
     PublishedEndpoints,
     RoleEndpoints,
     endpoint_id,
+    replica_of,
 )
 from llmgw.cp._fleet._fleet_metrics import FleetCollector
 from llmgw.cp._fleet._leader import Holder, LeaderCollector, Leadership, advertised
@@ -290,6 +291,13 @@ async def assemble(
         theirs = hub.in_flight(eid)
         return None if theirs is None else mine + theirs
 
+    def wedged() -> dict[str, str]:
+        """Replica id -> why a router here (this process or a worker) quarantined it."""
+        seen = router.fleet.quarantined()
+        if hub is not None:
+            seen.update(hub.quarantined())
+        return {replica_of(eid): reason for eid, reason in seen.items()}
+
     reconciler = Reconciler(
         registry,
         lambda: catalog.catalog,
@@ -305,6 +313,7 @@ async def assemble(
         rollouts=rollouts,
         # Without router_listen no requests pass here: in flight is unknown.
         in_flight=in_flight if cfg.router_listen is not None else None,
+        wedged=wedged if cfg.router_listen is not None else None,
     )
 
     def catalog_changed() -> None:

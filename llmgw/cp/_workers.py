@@ -12,8 +12,9 @@ worker, JSON lines both ways:
     cp -> worker   {"version": V, "endpoints": {model: [[id, model, engine, host, port, slots]]},
                     "traffic": {split: {versions, keys}}}  (llmgw.router.encode_traffic)
                    at once, then whenever the fleet view's version moves (checked every 100 ms)
-    worker -> cp   {"version": V, "in_flight": {endpoint id: n}}    every 200 ms, and at once
-                   after applying a new view (absent ids: 0)
+    worker -> cp   {"version": V, "in_flight": {endpoint id: n},    every 200 ms, and at once
+                    "quarantined": {endpoint id: reason}}           after applying a new view
+                                                                    (absent ids: 0, none)
 
 A persistent connection rather than HTTP polling: the view reaches a worker
 within about 100 ms of a change with no request per poll, and the connection
@@ -26,6 +27,10 @@ for drain_timeout_s, as it does without a router) while any worker has not
 reported within `STALE_S`, or its report is for an older view than the one the
 control plane lists now: only a worker that has applied the view without a
 retiring replica can say it will send it nothing new.
+
+`quarantined()` is every worker's endpoints quarantined as wedged (llmgw/router/_wedge.py)
+with the control plane's own: a wedge one worker saw is the replica's, and the reconciler
+replaces it (a report older than `STALE_S` is dropped: that worker says nothing).
 
 Worker i serves its own `/metrics` on the admin listener's port + i (worker 0's are
 the admin listener's own); a worker that cannot bind there routes without metrics.
@@ -118,8 +123,15 @@ def _encode(source: EndpointSource) -> dict[str, Any]:
 
 
 class _Report:
-    def __init__(self, version: int, counts: Mapping[str, int], at: float) -> None:
+    def __init__(
+        self,
+        version: int,
+        counts: Mapping[str, int],
+        at: float,
+        wedged: Mapping[str, str] | None = None,
+    ) -> None:
         self.version, self.counts, self.at = version, counts, at
+        self.wedged = wedged or {}  # endpoint id -> why the worker quarantined it
 
 
 class WorkerHub:
@@ -160,6 +172,15 @@ class WorkerHub:
                 return None
             total += r.counts.get(endpoint_id, 0)
         return total
+
+    def quarantined(self) -> dict[str, str]:
+        """The workers' (1..N-1) endpoints quarantined as wedged, and why."""
+        now = time.monotonic()
+        out: dict[str, str] = {}
+        for r in self._reports.values():
+            if now - r.at <= STALE_S:
+                out.update(r.wedged)
+        return out
 
     async def serve(
         self, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -218,7 +239,10 @@ class WorkerHub:
             while True:
                 msg = await lines.next()
                 counts = {str(k): int(v) for k, v in msg["in_flight"].items()}
-                self._reports[index] = _Report(int(msg["version"]), counts, time.monotonic())
+                wedged = {str(k): str(v) for k, v in msg.get("quarantined", {}).items()}
+                self._reports[index] = _Report(
+                    int(msg["version"]), counts, time.monotonic(), wedged
+                )
         except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -318,7 +342,11 @@ async def run_worker(
             seen.update(listed)
             counts = {eid: n for eid in seen if (n := router.in_flight(eid)) > 0}
             seen.intersection_update(listed | counts.keys())  # gone and idle: never again
-            await _send(stream, {"version": source.version, "in_flight": counts})
+            msg: dict[str, Any] = {"version": source.version, "in_flight": counts}
+            wedged = router.fleet.quarantined()
+            if wedged:
+                msg["quarantined"] = wedged
+            await _send(stream, msg)
 
         async def reporter(scope: trio.CancelScope) -> None:
             try:

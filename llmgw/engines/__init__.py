@@ -8,6 +8,7 @@ engine's `--help` with `check_flags`; the scraper reads `metric_names`.
 from llmgw.engines._flags import check_flags, help_warnings
 from llmgw.engines._load import EngineLoad, parse_load, parse_samples, slots_usage
 from llmgw.engines._plan import help_commands, metric_names, plan_launch, widest_command
+from llmgw.engines._probe import PROBE_HEADER, PROBE_PATH, generates, probe_body
 from llmgw.engines._types import (
     ENGINES,
     Assignment,
@@ -25,6 +26,8 @@ from llmgw.engines._validate import validate
 
 __all__ = [
     "ENGINES",
+    "PROBE_HEADER",
+    "PROBE_PATH",
     "Assignment",
     "EngineConfigError",
     "EngineLoad",
@@ -37,12 +40,14 @@ __all__ = [
     "ProcessRole",
     "ProcessSpec",
     "check_flags",
+    "generates",
     "help_commands",
     "help_warnings",
     "metric_names",
     "parse_load",
     "parse_samples",
     "plan_launch",
+    "probe_body",
     "slots_usage",
     "validate",
     "widest_command",

@@ -36,6 +36,7 @@ METRICS = MetricNames(
     running="llamacpp:requests_processing",
     waiting="llamacpp:requests_deferred",
     kv_from_slots=True,
+    generated="llamacpp:tokens_predicted_total",  # counted as each request ends
 )
 OWNED = frozenset({"--model", "-m", "--host", "--port", "--alias", "-a"})
 

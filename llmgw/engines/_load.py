@@ -22,6 +22,7 @@ class EngineLoad:
     running: float | None
     waiting: float | None
     kv_usage: float | None  # 0..1
+    generated: float | None = None  # tokens generated since the engine started
 
 
 def parse_samples(text: str) -> dict[str, float]:
@@ -61,7 +62,8 @@ def parse_load(text: str, names: MetricNames) -> EngineLoad:
         if name is not None and name in samples:
             kv = samples[name]
             break
-    return EngineLoad(samples.get(names.running), samples.get(names.waiting), kv)
+    generated = samples.get(names.generated) if names.generated is not None else None
+    return EngineLoad(samples.get(names.running), samples.get(names.waiting), kv, generated)
 
 
 def slots_usage(slots: Any) -> float | None:

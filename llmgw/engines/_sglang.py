@@ -40,6 +40,7 @@ METRICS = MetricNames(
     running="sglang:num_running_reqs",
     waiting="sglang:num_queue_reqs",
     kv_usage="sglang:token_usage",
+    generated="sglang:generation_tokens_total",
 )
 OWNED = frozenset(
     {

@@ -109,6 +109,9 @@ class MetricNames:
     kv_usage: str | None = None
     kv_usage_fallback: str | None = None
     kv_from_slots: bool = False
+    # The generation token counter: an engine whose count moves is making progress
+    # (the wedge watch reads it, llmgw/core/_wedge.py); None: not read.
+    generated: str | None = None
 
 
 @attrs.frozen

@@ -46,6 +46,7 @@ METRICS = MetricNames(
     waiting="vllm:num_requests_waiting",
     kv_usage="vllm:kv_cache_usage_perc",
     kv_usage_fallback="vllm:gpu_cache_usage_perc",
+    generated="vllm:generation_tokens_total",
 )
 # Flags llmgw sets; `-tp`, `-pp` and `-q` are vLLM's short spellings of three.
 OWNED = frozenset(

@@ -10,6 +10,12 @@ the client; after that, a stream the request allows it for is continued on
 another endpoint instead (`Join`, llmgw/router/_continue.py). An answer the
 engine reported figures for teaches the endpoint's prefix index and the
 model's estimates (`learn`).
+
+Each attempt is a `Flight` in its endpoint's state (llmgw/router/_flight.py),
+which the wedge watch reads (llmgw/router/_wedge.py); its waits on the engine
+with nothing sent to the client (the head, a whole answer's body) may be
+cancelled by the watch when the endpoint is quarantined, and the attempt is
+then retried elsewhere like a failed head.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ from llmgw.core import (
     Match,
     head_outcome,
     learn,
+    learn_pace,
 )
 from llmgw.router import _surface
 from llmgw.router._continue import Join
 from llmgw.router._fleet import Fleet, Model
+from llmgw.router._flight import Flight
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._record import Ask, Record
 from llmgw.router._scraper import EndpointState
@@ -88,7 +96,7 @@ class Sent:
     """One attempt's share of an endpoint's own load and of its index's in-flight
     prefills, each taken back exactly once."""
 
-    __slots__ = ("blocks", "decode", "guessed_tokens", "match", "prefill", "state")
+    __slots__ = ("blocks", "decode", "flight", "guessed_tokens", "match", "prefill", "state")
 
     def __init__(
         self,
@@ -99,6 +107,7 @@ class Sent:
         guessed: float,
         blocks: tuple[int, ...],
         now: float,
+        expected_first_byte_s: float | None = None,
     ) -> None:
         self.state = state
         self.prefill = prefill
@@ -107,6 +116,8 @@ class Sent:
         self.guessed_tokens = guessed
         self.blocks: tuple[int, ...] | None = blocks  # None once ended
         state.in_flight += 1
+        self.flight = Flight(now, expected_first_byte_s)
+        state.flights.add(self.flight)
         state.pending_prefill += prefill
         state.pending_decode += decode
         if blocks:
@@ -132,6 +143,7 @@ class Sent:
         self.state.pending_decode = max(0.0, self.state.pending_decode - self.decode)
         self.decode = 0.0
         self.state.in_flight -= 1
+        self.state.ended(self.flight)
 
 
 def _route_refusal(ask: Ask) -> ContinuationRefusal:
@@ -210,22 +222,32 @@ class Attempts:
                 # would move it (and every engine would end up holding every prompt).
                 prompt.blocks if prompt is not None and not spilled else (),
                 now,
+                model.estimates.first_byte_s(
+                    estimate.prompt_tokens - cached, estimate.output_tokens, not ask.stream
+                ),
             )
             told = False  # whether the breaker has had the head's verdict
             try:
                 try:
-                    resp = await state.pool.request(
-                        b"POST",
-                        ask.path.encode(),
-                        body,
-                        headers=((b"content-type", ask.content_type),),
-                        timeouts=self._timeouts,
-                    )
+                    with sent.flight.cancellable() as waiting:
+                        resp = await state.pool.request(
+                            b"POST",
+                            ask.path.encode(),
+                            body,
+                            headers=((b"content-type", ask.content_type),),
+                            timeouts=self._timeouts,
+                        )
                 except UpstreamError as exc:
                     _tell(breaker, _HEAD, _FAILED)  # a retry, whatever reached us
                     told = True
                     last = self._failed(model.name, eid, exc)
                     continue
+                if waiting.cancelled_caught:  # quarantined as wedged: a failed head
+                    _tell(breaker, _HEAD, _FAILED)
+                    told = True
+                    last = self._wedged(model.name, state)
+                    continue
+                sent.flight.response = resp
                 try:
                     outcome = head_outcome(resp.status)
                     retry = _tell(breaker, _HEAD, outcome)
@@ -261,6 +283,11 @@ class Attempts:
                         metrics.stream_cut(model.name, record.errors, None)
                     elif report is not None:  # (a continuation's report is on another prompt)
                         self._learned(model, ask, sent, report)
+                    if not ask.stream:  # the pace of whole answers (the wedge watch's)
+                        took = trio.current_time() - sent.flight.started_at
+                        model.estimates = learn_pace(
+                            model.estimates, took, record.completion_tokens
+                        )
                     return
                 last = failed  # a whole answer broke before any of it was sent: try another
             finally:
@@ -300,6 +327,14 @@ class Attempts:
             model.estimates, None if prompt is None else len(prompt.text), report
         )
 
+    def _wedged(self, model: str, state: EndpointState) -> HttpError:
+        eid = state.endpoint.endpoint_id
+        self._metrics.upstream_failure(model, eid, "wedged")
+        q = state.quarantine
+        why = q.reason if q is not None else "wedged"
+        log.info("request to %s cancelled, its endpoint quarantined (%s)", eid, why)
+        return _surface.upstream_error(model, "timeout", f"{eid} quarantined: {why}")
+
     def _failed(self, model: str, eid: str, exc: UpstreamError) -> HttpError:
         self._metrics.upstream_failure(model, eid, exc.phase)
         log.info("request to %s failed (%s): %s", eid, exc.phase, exc)
@@ -335,10 +370,14 @@ class Attempts:
         if not ask.stream or resp.header(b"content-length") is not None:
             # A whole answer (the engine has finished before sending its head): one write.
             try:
-                data = await resp.read()
+                with sent.flight.cancellable() as waiting:
+                    data = await resp.read()
             except UpstreamError as exc:
                 _tell(breaker, _WHOLE, _FAILED)  # a retry: nothing has reached the client
                 return self._failed(model, state.endpoint.endpoint_id, exc), None, None
+            if waiting.cancelled_caught:  # quarantined as wedged: nothing sent, a retry
+                _tell(breaker, _WHOLE, _FAILED)
+                return self._wedged(model, state), None, None
             _tell(breaker, _WHOLE, _SUCCEEDED)
             sent.answering()
             if resp.status == 200:

@@ -55,6 +55,12 @@ class RouterConfig:
     # once it is generated, so this bounds the longest non-streamed generation.
     first_byte_timeout_s: float = attrs.field(default=600.0, validator=positive(86400))
     idle_timeout_s: float = attrs.field(default=60.0, validator=positive(3600))
+    # An endpoint whose requests in flight have had no byte for this long, while another
+    # of its model's makes progress, is quarantined as wedged (llmgw/core/_wedge.py);
+    # raised for a long prefill the router can estimate. Quarantined, it gets nothing
+    # for wedge_quarantine_s (or until it sends a byte again, or leaves the list).
+    wedge_after_s: float = attrs.field(default=10.0, validator=positive(3600))
+    wedge_quarantine_s: float = attrs.field(default=300.0, validator=positive(86400))
     scrape_interval_s: float = attrs.field(default=1.0, validator=between(0.1, 300))
     stale_after_intervals: float = attrs.field(default=3.0, validator=_positive)
     unhealthy_after_misses: int = attrs.field(default=3, validator=_positive)

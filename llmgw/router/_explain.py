@@ -62,7 +62,9 @@ def explanation(
     if model is None:
         raise _surface.unknown_model(name)
     now = trio.current_time()
-    loads, _ = fleet.loads(list(model.endpoints), model, prompt, now)
+    # A quarantined endpoint (wedged, llmgw/router/_wedge.py) is no candidate; said apart.
+    open_ = [s for s in model.endpoints if s.quarantine is None]
+    loads, _ = fleet.loads(open_, model, prompt, now)
     decision = explain(
         loads,
         model.estimate(prompt),
@@ -72,7 +74,11 @@ def explanation(
         affinity,
         rotation=model.rotation,
     )
-    return decision_json(name, decision, prompt, fleet.config.prefix_block_bytes)
+    answer = decision_json(name, decision, prompt, fleet.config.prefix_block_bytes)
+    answer["quarantined"] = {
+        s.endpoint.endpoint_id: s.quarantine.reason for s in model.endpoints if s.quarantine
+    }
+    return answer
 
 
 def decision_json(

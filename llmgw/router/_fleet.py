@@ -95,6 +95,7 @@ class EndpointStatistics:
     prefix_half_life_s: float
     breaker: BreakerState
     pool: Mapping[str, int]
+    quarantined: str | None = None  # why it is quarantined as wedged; None: it is not
 
 
 @attrs.frozen
@@ -136,6 +137,7 @@ class FleetStatistics:
                     "prefix_half_life_s": e.prefix_half_life_s,
                     "breaker": e.breaker.value,
                     "pool": dict(e.pool),
+                    "quarantined": e.quarantined,
                 }
                 for eid, e in self.endpoints.items()
             },
@@ -235,6 +237,15 @@ class Fleet:
         gone = self._leaving.get(endpoint_id, ())
         return (listed.in_flight if listed is not None else 0) + sum(s.in_flight for s in gone)
 
+    def quarantined(self) -> dict[str, str]:
+        """The listed endpoints quarantined as wedged, and why (llmgw/router/_wedge.py),
+        once the reason is whole (their /health asked, within a second)."""
+        return {
+            eid: s.quarantine.reason
+            for eid, s in self._states.items()
+            if s.quarantine is not None and s.quarantine.checked
+        }
+
     def statistics(self) -> FleetStatistics:
         """A frozen snapshot; reads only (the source is not re-read)."""
         return FleetStatistics(
@@ -261,6 +272,7 @@ class Fleet:
                     prefix_half_life_s=s.index.half_life_s,
                     breaker=s.breaker.state,
                     pool=s.pool.statistics(),
+                    quarantined=s.quarantine.reason if s.quarantine is not None else None,
                 )
                 for eid, s in self._states.items()
             },
@@ -431,7 +443,11 @@ class Fleet:
         estimate: RequestEstimate | None = None,
     ) -> tuple[EndpointState, Match, bool] | None:
         """The endpoint, its index's match, and whether the bound spilled it there."""
-        candidates = [s for s in model.endpoints if s.endpoint.endpoint_id not in tried]
+        candidates = [
+            s
+            for s in model.endpoints
+            if s.endpoint.endpoint_id not in tried and s.quarantine is None  # wedged: out
+        ]
         if not candidates:
             return None
         if len(candidates) == 1:

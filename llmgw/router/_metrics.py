@@ -151,6 +151,13 @@ class RouterMetrics:
             ["model", "api", "outcome", "reason"],
             registry=registry,
         )
+        self.quarantines = Counter(
+            "llmgw_router_quarantines",
+            "Endpoints quarantined as wedged: requests in flight and no byte for "
+            "wedge_after_s while another endpoint of the model made progress",
+            ["model", "endpoint"],
+            registry=registry,
+        )
         self.tenant_requests = Counter(
             "llmgw_tenant_requests",
             "Inference requests its limits let through, by tenant, however they ended",
@@ -212,6 +219,9 @@ class RouterMetrics:
 
     def retried(self, model: str) -> None:
         self.retries.labels(model).inc()
+
+    def quarantined(self, model: str, endpoint: str) -> None:
+        self.quarantines.labels(model, endpoint).inc()
 
     def upstream_failure(self, model: str, endpoint: str, phase: str) -> None:
         self.failures.labels(model, endpoint, phase).inc()

@@ -56,6 +56,7 @@ from llmgw.router._traffic import Versions, renamed, with_version
 from llmgw.router._types import EndpointSource
 from llmgw.router._upstream import Timeouts
 from llmgw.router._usage import UsageMeter, UsageSink
+from llmgw.router._wedge import watch_fleet
 from llmgw.web.asgi import Receive, Scope, Send, lifespan, send_json
 
 __all__ = [
@@ -142,6 +143,7 @@ class Router:
             unhealthy_after=config.unhealthy_after_misses,
             on_slots=self.fleet.slots_changed,
         )
+        self.wedges = watch_fleet(self.fleet, self.metrics.quarantined)  # fleet.quarantined()
 
     def __repr__(self) -> str:
         return f"<Router worker {self.worker} {self.fleet!r}>"
@@ -204,6 +206,7 @@ class Router:
             self.fleet.refresh()
             await nursery.start(self.scraper.run)
             nursery.start_soon(self._watch_source)
+            nursery.start_soon(self.wedges.run)
             if self._usage_sink is not None:
                 nursery.start_soon(self._flush_usage, self._usage_sink)
             task_status.started()

@@ -31,6 +31,7 @@ import trio
 
 from llmgw import engines
 from llmgw.core import Breaker, PrefixIndex
+from llmgw.router._flight import Flight, Quarantine
 from llmgw.router._types import Endpoint
 from llmgw.router._upstream import Pool, UpstreamError
 
@@ -44,6 +45,8 @@ class EndpointState:
     __slots__ = (
         "breaker",
         "endpoint",
+        "flights",
+        "generated",
         "healthy",
         "in_flight",
         "index",
@@ -55,6 +58,8 @@ class EndpointState:
         "pending_decode",
         "pending_prefill",
         "pool",
+        "progress_at",
+        "quarantine",
         "running",
         "scrape_pool",
         "scraped_at",
@@ -89,6 +94,14 @@ class EndpointState:
         self.misses = 0
         self.last_error: str | None = None
         self.no_metrics_logged = False
+        # The wedge watch's (llmgw/router/_wedge.py): attempts in flight; the newest sign
+        # of progress (a byte of an attempt that ended, the engine's generation counter
+        # seen to move: `generated`, its last reading); the quarantine (None: none;
+        # choose leaves it out).
+        self.flights: set[Flight] = set()
+        self.progress_at: float | None = None
+        self.generated: float | None = None
+        self.quarantine: Quarantine | None = None
 
     def __repr__(self) -> str:
         e = self.endpoint
@@ -97,8 +110,16 @@ class EndpointState:
             f"{'healthy' if self.healthy else 'unhealthy'} in_flight={self.in_flight} "
             f"running={self.running} waiting={self.waiting} kv={self.kv_usage} "
             f"pending_prefill={self.pending_prefill:g} pending_decode={self.pending_decode:g} "
-            f"breaker={self.breaker.state.value} {self.index!r}>"
+            f"breaker={self.breaker.state.value} {self.index!r}"
+            f"{' quarantined: ' + self.quarantine.reason if self.quarantine else ''}>"
         )
+
+    def ended(self, flight: Flight) -> None:
+        """An attempt here has ended: its newest byte is the endpoint's progress, if newer."""
+        self.flights.discard(flight)
+        seen = flight.last_byte_at()
+        if seen is not None and (self.progress_at is None or seen > self.progress_at):
+            self.progress_at = seen
 
     def close(self) -> None:
         self.pool.close()
@@ -150,10 +171,11 @@ class Scraper:
             with trio.fail_after(self.timeout_s):
                 status, body = await state.scrape_pool.get(b"/metrics", self.timeout_s)
                 own = max(own, state.in_flight)
-                running = waiting = kv = None
+                running = waiting = kv = generated = None
                 if status == 200 and names is not None:
                     load = engines.parse_load(body.decode("utf-8", "replace"), names)
                     running, waiting, kv = load.running, load.waiting, load.kv_usage
+                    generated = load.generated
                 elif status >= 500 and status != 501:
                     raise _Miss(f"GET /metrics answered {status}")
                 elif not state.no_metrics_logged:
@@ -199,6 +221,10 @@ class Scraper:
             return
         now = trio.current_time()
         state.running, state.waiting, state.kv_usage = running, waiting, kv
+        if generated is not None:  # its token count moved: it makes progress
+            if state.generated is not None and generated > state.generated:
+                state.progress_at = now
+            state.generated = generated
         state.own_at_scrape = own
         state.scraped_at = now
         state.misses = 0

@@ -105,7 +105,7 @@ class _Conn:
 class Response:
     """A response head and the means to read its body, chunk by chunk as it arrives."""
 
-    __slots__ = ("_conn", "_done", "_idle_s", "_pool", "headers", "status")
+    __slots__ = ("_conn", "_done", "_idle_s", "_pool", "headers", "last_byte_at", "status")
 
     def __init__(
         self,
@@ -121,6 +121,9 @@ class Response:
         self._idle_s = idle_s
         self.status = status
         self.headers = headers
+        # The trio clock at the newest read from the engine (the head's, then each body
+        # read's): what the wedge watch (llmgw/router/_wedge.py) reads.
+        self.last_byte_at = trio.current_time()
 
     def __repr__(self) -> str:
         return f"<Response {self.status} from {self._pool.name} done={self._done}>"
@@ -194,6 +197,7 @@ class Response:
             raise BodyBroken(
                 self._pool.name, f"connection lost mid-body: {exc}", before_response=False
             ) from None
+        self.last_byte_at = trio.current_time()
         conn.h11.receive_data(data)
 
     def _finish(self) -> None:

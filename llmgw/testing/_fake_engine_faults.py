@@ -3,8 +3,10 @@
 `Faults` holds the switches that make an engine misbehave on purpose and the
 timers that flip them: LLMGW_FAKE_CRASH_AFTER (die with the engine's last
 words on stderr, status 1, no unwinding), LLMGW_FAKE_HEALTH_HANG_AFTER and
-`POST /fake/health` (/health reads the request and never answers), and the
-500 that LLMGW_FAKE_FAIL_RATE picks requests for. Faults that live inside one
+`POST /fake/health` (/health reads the request and never answers), `POST
+/fake/tokens` (every generation stops before its next token, /health still
+200: a wedged engine), and the 500 that LLMGW_FAKE_FAIL_RATE picks requests
+for. Faults that live inside one
 generation (slow tokens, LLMGW_FAKE_HANG_AFTER_TOKENS) stay in its loop.
 """
 
@@ -64,9 +66,34 @@ class Faults:
         self._engine = engine
         self._behaviour = behaviour
         self.health_hangs = behaviour.health_hang_after == 0
+        self.tokens_hang = False
+        self._flowing = trio.Event()
+        self._flowing.set()
 
     def __repr__(self) -> str:
-        return f"<Faults health_hangs={self.health_hangs}>"
+        return f"<Faults health_hangs={self.health_hangs} tokens_hang={self.tokens_hang}>"
+
+    def switch_tokens(self, body: bytes) -> Reply:
+        """`POST /fake/tokens`: `{"hang": bool}`; while true, no generation sends another
+        token (new ones included) and nothing else changes; the answer echoes it."""
+        try:
+            hang = json.loads(body or b"{}").get("hang")
+        except (ValueError, AttributeError):
+            hang = None
+        if not isinstance(hang, bool):
+            message = 'the body must be {"hang": true} or {"hang": false}'
+            return error(self._engine, 400, message)
+        self.tokens_hang = hang
+        if hang and self._flowing.is_set():
+            self._flowing = trio.Event()
+        elif not hang:
+            self._flowing.set()
+        return Reply(200, dumps({"hang": hang}))
+
+    async def token_may_go(self) -> None:
+        """Returns at once, or once `POST /fake/tokens {"hang": false}` lets tokens go."""
+        while self.tokens_hang:
+            await self._flowing.wait()
 
     def start(self, nursery: trio.Nursery) -> None:
         b = self._behaviour

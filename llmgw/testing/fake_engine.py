@@ -61,12 +61,21 @@ Endpoints, as the imitated engine has them:
   client goes away), `{"hang": false}` makes it answer again; answers
   `{"hang": ...}`. The process keeps listening and serving everything else:
   a hung engine, not a dead one.
+- `POST /fake/tokens` (the fake's own): body `{"hang": true}` wedges it:
+  every generation, running or new, stops before its next token (a streamed
+  one has its head and what it sent so far; a non-streamed one no head) while
+  `/health`, `/metrics` and everything else answer as before; `{"hang":
+  false}` lets them go on. Answers `{"hang": ...}`.
 - `GET /fake/stats` (the fake's own): JSON `ready`, `received`, `completed`,
   `cancelled`, `failed`, `in_flight`, `running`, `waiting`, `prompt_tokens`,
   `generation_tokens`, and with a prefix cache `prompt_tokens_cached` (the
-  prompt tokens served from it). An inference request ends as exactly one of completed,
-  cancelled (the client closed the connection first) or failed (an error
-  status).
+  prompt tokens served from it); `probes`: the agent's one-token readiness
+  generations (`POST /v1/completions` with the `x-llmgw-probe` header,
+  llmgw/engines/_probe.py), answered as a one-token completion (wedged by
+  `/fake/tokens` too) and counted there only, never in the others, never
+  failed by LLMGW_FAKE_FAIL_RATE, so the counts above are the clients'. An
+  inference request ends as exactly one of completed, cancelled (the client
+  closed the connection first) or failed (an error status).
 
 A request generates while it holds one of the engine's slots: vLLM's
 `--max-num-seqs` (default 256), SGLang's `--max-running-requests` (256),
@@ -160,6 +169,7 @@ import h11
 import trio
 
 from llmgw._process import run_service
+from llmgw.engines import PROBE_HEADER
 from llmgw.errors import UsageError
 from llmgw.testing import _fake_engine_console as console
 from llmgw.testing._fake_engine_cli import (
@@ -216,12 +226,14 @@ class FakeEngine:
         self.faults = Faults(config.engine, behaviour)
         self._slots = trio.Semaphore(config.slots)
         self._created = int(time.time())
+        self.probes = 0  # the agent's generation probes (PROBE_HEADER), counted apart
         self._routes: dict[str, tuple[bytes, _Endpoint]] = {
             "/health": (b"GET", self._health),
             "/v1/models": (b"GET", self._models),
             "/metrics": (b"GET", self._metrics),
             "/fake/stats": (b"GET", self._stats),
             "/fake/health": (b"POST", self._fake_health),
+            "/fake/tokens": (b"POST", self._fake_tokens),
             "/v1/chat/completions": (b"POST", self._chat),
             "/v1/completions": (b"POST", self._completions),
             "/v1/embeddings": (b"POST", self._embeddings),
@@ -303,6 +315,9 @@ class FakeEngine:
             if auth != f"Bearer {key}".encode():
                 await ex.send(unauthorized(self.config.engine))
                 return
+        if path == "/v1/completions" and dict(req.headers).get(PROBE_HEADER):
+            await self._probe(ex, body)  # the agent's readiness probe, counted apart
+            return
         await handler(ex, body)
 
     # --- endpoints ------------------------------------------------------------------------
@@ -324,6 +339,31 @@ class FakeEngine:
     async def _fake_health(self, ex: Exchange, body: bytes) -> None:
         await ex.send(self.faults.switch_health(body))
 
+    async def _probe(self, ex: Exchange, body: bytes) -> None:
+        """The agent's one-token generation (llmgw/agent/_health.py): answered like any
+        completion's first token, wedged by `/fake/tokens` like one, but counted in
+        `probes` only, never failed by LLMGW_FAKE_FAIL_RATE and holding no slot, so the
+        counts tests read are their own requests'."""
+        self.probes += 1
+        if not self.state.ready:
+            await ex.send(loading(self.config.engine))
+            return
+        if await ex.watching(self.faults.token_may_go):
+            raise Gone()
+        name = self.config.served_names[0] if self.config.served_names else "model"
+        answer = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": [{"index": 0, "text": "tok0", "logprobs": None, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+        await ex.send(Reply(200, dumps(answer)))
+
+    async def _fake_tokens(self, ex: Exchange, body: bytes) -> None:
+        await ex.send(self.faults.switch_tokens(body))
+
     async def _models(self, ex: Exchange, _: bytes) -> None:
         await ex.send(Reply(200, models_response(self.config, self.state.ready, self._created)))
 
@@ -331,7 +371,7 @@ class FakeEngine:
         await ex.send(Reply(200, dumps({"version": self.config.version})))
 
     async def _stats(self, ex: Exchange, _: bytes) -> None:
-        await ex.send(Reply(200, dumps(self.state.statistics())))
+        await ex.send(Reply(200, dumps({**self.state.statistics(), "probes": self.probes})))
 
     async def _metrics(self, ex: Exchange, _: bytes) -> None:
         engine = self.config.engine
@@ -448,6 +488,7 @@ class FakeEngine:
             prefill = b.first_token_delay + uncached * b.prefill_token_delay
             if prefill:
                 await trio.sleep(prefill)
+            await self.faults.token_may_go()
             if st.prefix:
                 st.prefix.insert(req.prompt_blocks)
             first_token = trio.current_time()
@@ -459,6 +500,7 @@ class FakeEngine:
                     await trio.sleep_forever()
                 if i and b.token_delay:
                     await trio.sleep(b.token_delay)
+                await self.faults.token_may_go()
                 st.generated(run)
                 if i == req.n_tokens - 1 and cached is not None and llama:
                     now = trio.current_time()

@@ -164,3 +164,32 @@ def test_a_reading_moves_the_average_a_tenth_of_the_way() -> None:
     est = learn(est, 3000, Report(prompt_tokens=1000, completion_tokens=110))
     assert est.bytes_per_token is not None and math.isclose(est.bytes_per_token, 3.9)
     assert est.output_tokens == 20.0
+
+
+# --- what the wedge threshold reads (llmgw/core/_wedge.py) -------------------------------
+
+
+def test_the_prefill_rate_is_llama_cpps_own_read_only_from_long_prefills() -> None:
+    from llmgw.core._estimates import MIN_COMPUTED_TOKENS
+
+    short = learn(Estimates(), None, Report(prompt_ms_per_token=2.0, prompt_n=10))
+    assert short.prompt_ms_per_token is None
+    est = learn(Estimates(), None, Report(prompt_ms_per_token=2.0, prompt_n=MIN_COMPUTED_TOKENS))
+    assert est.prompt_ms_per_token == 2.0
+    est = learn(est, None, Report(prompt_ms_per_token=12.0, prompt_n=1000))
+    assert est.prompt_ms_per_token == 3.0  # moving average, weight 0.1
+    # 5,000 uncached prompt tokens at 3 ms each, streamed: 15 s before the first byte.
+    assert est.first_byte_s(5000, 100, whole=False) == 15.0
+    assert Estimates().first_byte_s(5000, 100, whole=False) is None  # unknown: no raise
+
+
+def test_a_whole_answers_pace_is_the_routers_own_measure() -> None:
+    from llmgw.core import learn_pace
+
+    assert learn_pace(Estimates(), 4.0, 4) == Estimates()  # under 8 tokens: nothing
+    assert learn_pace(Estimates(), 4.0, None) == Estimates()
+    est = learn_pace(Estimates(), 4.0, 100)
+    assert est.answer_s_per_token == 0.04
+    # Not streamed, nothing comes before the whole answer: prefill (unknown: 0) + output.
+    assert est.first_byte_s(5000, 200, whole=True) == 8.0
+    assert est.first_byte_s(5000, 200, whole=False) is None

@@ -245,3 +245,37 @@ def test_in_flight_is_summed_only_from_fresh_reports_of_the_view_listed_now() ->
     hub._reports[1] = _Report(source.version, {}, now)
     hub._reports[2] = _Report(source.version, {}, now)
     assert hub.in_flight("e") == 0
+
+
+async def test_quarantines_come_from_fresh_worker_reports_over_the_channel() -> None:
+    """A wedge one worker saw is the replica's (llmgw/router/_wedge.py): its report line
+    carries it, and a report older than STALE_S says nothing any more."""
+    import json
+
+    import trio.testing
+
+    from llmgw.cp._workers import WorkerHub, _Lines
+    from llmgw.router import StaticEndpoints
+
+    source = StaticEndpoints()
+    hub = WorkerHub(source, 3, {}, Path("/nonexistent"), Path("/nonexistent/admin.key"))
+    assert hub.quarantined() == {}
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    why = "wedged: 3 requests, no bytes for 10 s, /health 200"
+    lines = [
+        {"version": source.version, "in_flight": {"r1@n1": 3}, "quarantined": {"r1@n1": why}},
+        {"version": source.version, "in_flight": {}},  # an older worker: no key at all
+    ]
+    await send.send_all(json.dumps(lines[0]).encode() + b"\n")
+    await send.send_all(json.dumps(lines[1]).encode() + b"\n")
+    await send.aclose()
+    await hub._receive(1, _Lines(receive))  # reads to EOF
+    assert hub.quarantined() == {}  # the last line said none
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    await send.send_all(json.dumps(lines[0]).encode() + b"\n")
+    await send.aclose()
+    await hub._receive(2, _Lines(receive))
+    assert hub.quarantined() == {"r1@n1": why}
+    assert hub.in_flight("r1@n1") == 3
+    hub._reports[2].at -= 5.0  # worker 2 not heard from for 5 s
+    assert hub.quarantined() == {}

@@ -40,3 +40,13 @@ def test_samples_sum_over_label_sets_and_skip_odd_lines() -> None:
 @given(st.text())
 def test_any_page_parses_to_numbers(text: str) -> None:
     assert all(isinstance(v, float) for v in parse_samples(text).values())
+
+
+def test_the_generation_counter_is_read_where_the_engine_has_one() -> None:
+    page = VLLM_PAGE + 'vllm:generation_tokens_total{engine="0",model_name="qwen"} 1234.0\n'
+    assert parse_load(page, metric_names("vllm")).generated == 1234.0
+    assert parse_load(VLLM_PAGE, metric_names("vllm")).generated is None  # absent: unknown
+    llama = "llamacpp:requests_processing 1\nllamacpp:tokens_predicted_total 77\n"
+    assert parse_load(llama, metric_names("llama-server")).generated == 77.0
+    sglang = 'sglang:generation_tokens_total{model_name="m"} 5\n'
+    assert parse_load(sglang, metric_names("sglang")).generated == 5.0

@@ -35,16 +35,19 @@ VLLM_METRICS = MetricNames(
     waiting="vllm:num_requests_waiting",
     kv_usage="vllm:kv_cache_usage_perc",
     kv_usage_fallback="vllm:gpu_cache_usage_perc",
+    generated="vllm:generation_tokens_total",
 )
 SGLANG_METRICS = MetricNames(
     running="sglang:num_running_reqs",
     waiting="sglang:num_queue_reqs",
     kv_usage="sglang:token_usage",
+    generated="sglang:generation_tokens_total",
 )
 LLAMA_METRICS = MetricNames(
     running="llamacpp:requests_processing",
     waiting="llamacpp:requests_deferred",
     kv_from_slots=True,
+    generated="llamacpp:tokens_predicted_total",
 )
 
 

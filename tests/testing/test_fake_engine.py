@@ -348,6 +348,47 @@ async def test_health_hangs_on_request_while_everything_else_answers() -> None:
         assert (await e.get("/health")).status_code == 200
 
 
+async def test_tokens_hang_on_request_while_health_and_metrics_answer() -> None:
+    """A wedged engine: `/fake/tokens {"hang": true}` stops every generation before its
+    next token, a streamed one after its head; /health and /metrics answer as before."""
+    async with engine("serve", "m", env={"LLMGW_FAKE_TOKENS": "3"}) as e:
+        assert (await e.post("/fake/tokens", {"hang": True})).json() == {"hang": True}
+        with pytest.raises(httpx.ReadTimeout):
+            await e.client.post(e.url + "/v1/completions", json={"model": "m", "prompt": "x"},
+                                timeout=0.5)  # fmt: skip
+        async with e.client.stream(
+            "POST", e.url + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+        ) as streamed:
+            assert streamed.status_code == 200  # the head came, no token follows
+            with pytest.raises(httpx.ReadTimeout):
+                await streamed.aiter_lines().__anext__()
+        assert (await e.get("/health")).status_code == 200
+        assert (await e.get("/metrics")).status_code == 200
+        bad = await e.post("/fake/tokens", {"hang": "yes"})
+        assert bad.status_code == 400 and "hang" in bad.json()["error"]["message"]
+        assert (await e.post("/fake/tokens", {"hang": False})).json() == {"hang": False}
+        r = await e.post("/v1/completions", {"model": "m", "prompt": "x"})
+        assert r.json()["choices"][0]["text"] == "tok0 tok1 tok2"
+        stats = await e.stats()
+        assert stats["generation_tokens"] == 3 and stats["probes"] == 0
+
+
+async def test_the_agents_probe_is_answered_and_counted_apart() -> None:
+    probe = {"x-llmgw-probe": "1"}
+    async with engine("serve", "m", env={"LLMGW_FAKE_FAIL_RATE": "1"}) as e:
+        body = {"model": "m", "prompt": "a", "max_tokens": 1}
+        r = await e.client.post(e.url + "/v1/completions", json=body, headers=probe)
+        assert r.status_code == 200  # never failed by LLMGW_FAKE_FAIL_RATE
+        assert r.json()["choices"][0]["text"] == "tok0"
+        assert r.json()["usage"]["completion_tokens"] == 1
+        stats = await e.stats()
+        assert stats["probes"] == 1
+        assert (stats["received"], stats["completed"], stats["generation_tokens"]) == (0, 0, 0)
+        assert (await e.post("/fake/tokens", {"hang": True})).status_code == 200
+        with pytest.raises(httpx.ReadTimeout):  # wedged like any generation
+            await e.client.post(e.url + "/v1/completions", json=body, headers=probe, timeout=0.5)
+
+
 async def test_health_hang_after_starts_hanging_on_its_own() -> None:
     async with engine("serve", "m", env={"LLMGW_FAKE_HEALTH_HANG_AFTER": "0.5"}) as e:
         started = trio.current_time()

@@ -36,6 +36,11 @@ def endpoint_id(replica_id: str | None, node_id: str) -> str:
     return f"{replica_id}@{node_id}"
 
 
+def replica_of(endpoint: str) -> str:
+    """The replica id in an `endpoint_id` (node ids hold no `@`)."""
+    return endpoint.rpartition("@")[0]
+
+
 class FleetEndpoints:
     def __init__(
         self,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import attrs
 import trio
@@ -52,6 +52,7 @@ from llmgw.cp._fleet._rollouts import Rollouts
 from llmgw.cp._fleet._settle import Settle
 from llmgw.cp._fleet._shards import PORTS
 from llmgw.cp._fleet._wake import Wakeup
+from llmgw.cp._fleet._wedged import WedgedReplicas
 from llmgw.cp._weights._sizes import Measuring
 from llmgw.errors import DeadlineExceeded, LlmgwError, StaleEpoch
 
@@ -99,6 +100,7 @@ class Reconciler:
         in_flight: Callable[[str, str], int | None] | None = None,
         backoff: core.BackoffPolicy | None = None,
         rollouts: Rollouts | None = None,
+        wedged: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
@@ -135,6 +137,7 @@ class Reconciler:
         # the last pass acted on: server.yaml's, with undone models pinned.
         self.rollouts = rollouts if rollouts is not None else Rollouts()
         self._models: Catalog | None = None
+        self.wedged = WedgedReplicas(wedged)  # llmgw/cp/_fleet/_wedged.py
 
     def __repr__(self) -> str:
         return f"<Reconciler {self.statistics()}>"
@@ -226,6 +229,7 @@ class Reconciler:
                                  self._retiring.since(), self.drain_timeout_s, also=stale,
                                  replicas=core.gpu_drains(self._registry.records()))  # fmt: skip
         controls = self.rollouts.controls(self._unplaced.keys())
+        self.wedged.note(seen, now)
 
         def reconcile() -> Plan:
             return core.reconcile(
@@ -236,7 +240,7 @@ class Reconciler:
                 guard_held_at=self._guard_held_at, ready_since=ready_since,
                 settle_s=self._settle.settle_s,
                 backoff=self.backoff.current(), backoff_policy=self.backoff.policy,
-                rollouts=controls,
+                rollouts=controls, wedged=self.wedged.reasons,
             )  # fmt: skip
 
         plan = reconcile()
@@ -249,6 +253,7 @@ class Reconciler:
             plan = reconcile()  # a failure seen in this pass delays its own replacement
         if plan.cut_off:
             self._guard_held_at = now
+        self.wedged.planned(plan, now)
         retiring = [v.replica_id for v in plan.replicas if v.state == core.ReplicaState.RETIRING]
         self._retiring.note(retiring, now)
         return plan
@@ -440,8 +445,8 @@ class Reconciler:
 
     def replicas(self) -> list[ReplicaView]:
         """The last plan's replicas, then starts in flight not reported yet, then starts
-        that never reached their agent (with why), for `FAILED_START_VISIBLE_S`."""
-        return _views(self._last_plan, self._pending, self._failed_starts)
+        that never reached their agent (with why), and wedged ones, for 10 minutes."""
+        return _views(self._last_plan, self._pending, self.wedged.views() | self._failed_starts)
 
     def unplaced(self) -> list[Unplaced]:
         return list(self._unplaced.values())
