@@ -179,9 +179,13 @@ def test_the_standby_takes_over_and_the_old_leader_is_fenced(
     )
     assert re.search(refusal, cluster.agents["a1"].output(), re.M), cluster.agents["a1"].output()
     for node in NODES:
-        assert re.search(
-            rf"registered with {re.escape(cp1.rpc)} .*epoch {epoch1}\)",
-            cluster.agents[node].output(),
+        # The control plane holds a node ready once it has answered the registration;
+        # the agent logs it once the answer is back: a moment later, on a loaded machine.
+        registered = rf"registered with {re.escape(cp1.rpc)} .*epoch {epoch1}\)"
+        wait_for(
+            f"{node} logs its registration with cp1",
+            lambda node=node, pattern=registered: re.search(pattern, cluster.agents[node].output()),
+            20,
         )
     replicas = wait_for("two ready replicas on cp1", lambda: ready_replicas(cp1), 180)
     before = shards(cp1)
