@@ -140,13 +140,7 @@ def main() -> int:
         cluster = LocalCluster(root / "cluster")
         try:
             cluster.models = catalog(model, opts.replicas, 512)
-            cluster.setup(NODES)
-            for node in NODES:
-                cluster.write_agent_config(node, engine_paths={"llama-server": binary})
-            cluster.start_cp()
-            for node in NODES:
-                cluster.start_agent(node)
-            cluster.wait_states({n: "ready" for n in NODES}, timeout=60)
+            cluster.start_fleet(NODES, {"llama-server": binary})
             key = cluster.api_key("bench")
 
             def rollout() -> dict[str, Any]:

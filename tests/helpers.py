@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import json
 import os
 import re
 import shutil
@@ -216,6 +217,83 @@ def ready_shards(cluster: Any) -> list[tuple[str, dict[str, Any]]]:
         for s in n["shards"]
         if s["state"] == "ready"
     ]
+
+
+class ChatLoad:
+    """`clients` threads sending chat completions one after another through a router
+    until the block ends, counting answers (`ok`), failures (`failed`: a status other
+    than 200 or a transport error) and, for streams (every other request of each
+    client with `streams`), `truncated` ones: an error event, or an end without a
+    finish_reason and `data: [DONE]`."""
+
+    def __init__(
+        self, url: str, key: str, *, model: str = "tiny", clients: int = 2, streams: bool = False
+    ) -> None:
+        self.url, self.key, self.model, self.streams = url, key, model, streams
+        self.ok = 0
+        self.failed: list[str] = []
+        self.truncated: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def __enter__(self) -> ChatLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+    def _run(self, i: int) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.key}"}
+        n = 0
+        with httpx.Client(timeout=120) as h:
+            while not self._stop.is_set():
+                n += 1
+                body = {
+                    "model": self.model,
+                    "messages": [{"role": "user", "content": f"client {i} request {n}"}],
+                    "max_tokens": 8,
+                    "stream": self.streams and n % 2 == 0,
+                }
+                try:
+                    if body["stream"]:
+                        self._stream(h, headers, body)
+                        continue
+                    r = h.post(self.url + "/chat/completions", headers=headers, json=body)
+                    if r.status_code != 200:
+                        self.failed.append(f"{r.status_code} {r.text[:300]}")
+                    elif r.json()["choices"][0]["finish_reason"] is None:
+                        self.failed.append(f"no finish_reason: {r.text[:300]}")
+                    else:
+                        self.ok += 1
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    self.failed.append(f"{type(exc).__name__}: {exc}")
+
+    def _stream(self, h: Any, headers: dict[str, str], body: dict[str, Any]) -> None:
+        finished = done = False
+        with h.stream("POST", self.url + "/chat/completions", headers=headers, json=body) as r:
+            if r.status_code != 200:
+                self.failed.append(f"{r.status_code} {r.read()[:300]!r}")
+                return
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.truncated.append(json.dumps(event)[:300])
+                        return
+                    if any(c.get("finish_reason") for c in event.get("choices", [])):
+                        finished = True
+        if finished and done:
+            self.ok += 1
+        else:
+            self.truncated.append(f"finish {finished}, [DONE] {done}")
 
 
 # --- the RPC edge on loopback -----------------------------------------------------------

@@ -424,6 +424,19 @@ class LocalCluster:
         self.agents[node] = proc
         return proc
 
+    def start_fleet(
+        self, nodes: Sequence[str], engine_paths: Mapping[str, str], timeout: float = 60
+    ) -> None:
+        """Set up, start the control plane and one agent per node (each running the
+        engines in `engine_paths`), and wait until every node is ready."""
+        self.setup(nodes)
+        for node in nodes:
+            self.write_agent_config(node, engine_paths=dict(engine_paths))
+        self.start_cp()
+        for node in nodes:
+            self.start_agent(node)
+        self.wait_states({n: "ready" for n in nodes}, timeout=timeout)
+
     def _healthz(self) -> bool:
         return self.first.healthy()
 

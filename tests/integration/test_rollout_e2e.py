@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from helpers import alive, llama_server_binary
+from helpers import ChatLoad, alive, llama_server_binary
 
 from llmgw.testing.cluster import LocalCluster, wait_for
 
@@ -42,75 +40,6 @@ def profile(ctx: int, *extra: str) -> dict[str, Any]:
 
 def model(*profiles: dict[str, Any], tiny: Path) -> list[dict[str, Any]]:
     return [{"name": "tiny", "source": str(tiny), "replicas": 2, "profiles": list(profiles)}]
-
-
-class Load:
-    """Two clients sending one request after another, alternately streamed, counting
-    every failure and every stream that ended without its finish and [DONE]."""
-
-    def __init__(self, url: str, key: str) -> None:
-        self.url, self.key = url, key
-        self.ok = 0
-        self.failed: list[str] = []
-        self.truncated: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
-
-    def _run(self, i: int) -> None:
-        headers = {"Authorization": f"Bearer {self.key}"}
-        n = 0
-        with httpx.Client(timeout=60) as h:
-            while not self._stop.is_set():
-                n += 1
-                body = {
-                    "model": "tiny",
-                    "messages": [{"role": "user", "content": f"client {i} request {n}"}],
-                    "max_tokens": 8,
-                    "stream": n % 2 == 0,
-                }
-                try:
-                    if body["stream"]:
-                        self._stream(h, headers, body)
-                    else:
-                        r = h.post(self.url + "/chat/completions", headers=headers, json=body)
-                        if r.status_code != 200:
-                            self.failed.append(f"{r.status_code} {r.text[:200]}")
-                            continue
-                        assert r.json()["choices"][0]["finish_reason"] is not None
-                        self.ok += 1
-                except (httpx.HTTPError, AssertionError, ValueError) as exc:
-                    self.failed.append(f"{type(exc).__name__}: {exc}")
-
-    def _stream(self, h: httpx.Client, headers: dict[str, str], body: dict[str, Any]) -> None:
-        finished = done = False
-        with h.stream("POST", self.url + "/chat/completions", headers=headers, json=body) as r:
-            if r.status_code != 200:
-                self.failed.append(f"{r.status_code} {r.read()[:200]!r}")
-                return
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        self.truncated.append(json.dumps(event)[:200])
-                        return
-                    if any(c.get("finish_reason") for c in event.get("choices", [])):
-                        finished = True
-        if finished and done:
-            self.ok += 1
-        else:
-            self.truncated.append(f"finish {finished}, [DONE] {done}")
 
 
 def rollout(cluster: LocalCluster) -> dict[str, Any]:
@@ -148,13 +77,7 @@ def test_a_profile_change_rolls_every_replica_without_losing_a_request(
 ) -> None:
     binary = llama_server_binary()
     cluster.models = model(profile(256), tiny=tiny_model)
-    cluster.setup(NODES)
-    for node in NODES:
-        cluster.write_agent_config(node, engine_paths={"llama-server": binary})
-    cluster.start_cp()
-    for node in NODES:
-        cluster.start_agent(node)
-    cluster.wait_states({n: "ready" for n in NODES}, timeout=60)
+    cluster.start_fleet(NODES, {"llama-server": binary})
     key = cluster.api_key("team-a")
 
     def ready_two() -> dict[str, tuple[int, ...]] | None:
@@ -168,7 +91,7 @@ def test_a_profile_change_rolls_every_replica_without_losing_a_request(
     # 1. Under load: every replica rolled, nothing lost, each engine replaced once.
     assert cluster.cp is not None
     log_before = len(cluster.cp.output())
-    with Load(cluster.router_url, key) as load:
+    with ChatLoad(cluster.router_url, key, streams=True) as load:
         wait_for("requests flowing", lambda: load.ok >= 10, 60)
         cluster.write_server_config(model(profile(512), tiny=tiny_model))
         v2 = wait_for("rolled to v2", lambda: rolled_to(cluster), TIMEOUT)
@@ -221,7 +144,7 @@ def test_a_profile_change_rolls_every_replica_without_losing_a_request(
     assert "the old ones keep serving" in row["status"], row
     shards = tiny_shards(cluster)
     assert {r for r, (s, _, _) in shards.items() if s == "ready"} == set(v3), shards
-    with Load(cluster.router_url, key) as load:
+    with ChatLoad(cluster.router_url, key, streams=True) as load:
         wait_for("the old version serving", lambda: load.ok >= 10, 60)
     assert load.failed == [] and load.truncated == [], (load.failed[:5], load.truncated[:5])
     replicas = cluster.ctl("rollout", "status", "tiny").stdout

@@ -279,13 +279,7 @@ def test_through_the_fleet_a_killed_replicas_stream_is_continued_on_the_other(
     }
     cluster.models = [{"name": "tiny", "source": str(model), "replicas": 2, "profiles": [profile]}]
     nodes = ("c1", "c2")
-    cluster.setup(nodes)
-    for node in nodes:
-        cluster.write_agent_config(node, engine_paths={"llama-server": binary})
-    cluster.start_cp()
-    for node in nodes:
-        cluster.start_agent(node)
-    cluster.wait_states({n: "ready" for n in nodes}, timeout=60)
+    cluster.start_fleet(nodes, {"llama-server": binary})
     key = cluster.api_key("team-a")
 
     def replicas() -> dict[str, tuple[int, int]] | None:

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -33,54 +32,12 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import alive, llama_server_binary, start_tiny_fleet, tiny_catalog
+from helpers import ChatLoad, alive, llama_server_binary, start_tiny_fleet, tiny_catalog
 
 from llmgw.testing.cluster import LocalCluster, wait_for
 
 WEDGE_AFTER_S = 3.0
 NODES = ["cpu-1", "cpu-2"]
-
-
-class Load:
-    """Two clients sending non-streamed requests one after another, keeping failures."""
-
-    def __init__(self, url: str, key: str, model: str = "tiny") -> None:
-        self.url, self.key, self.model = url, key, model
-        self.ok = 0
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(3)]
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
-
-    def _run(self, i: int) -> None:
-        headers = {"Authorization": f"Bearer {self.key}"}
-        n = 0
-        with httpx.Client(timeout=120) as h:
-            while not self._stop.is_set():
-                n += 1
-                body = {
-                    "model": self.model,
-                    "messages": [{"role": "user", "content": f"client {i} request {n}"}],
-                    "max_tokens": 8,
-                }
-                try:
-                    r = h.post(self.url + "/chat/completions", headers=headers, json=body)
-                except httpx.HTTPError as exc:
-                    self.failed.append(f"{type(exc).__name__}: {exc}")
-                    continue
-                if r.status_code != 200:
-                    self.failed.append(f"{r.status_code} {r.text[:300]}")
-                else:
-                    self.ok += 1
 
 
 def replicas(cluster: LocalCluster) -> list[dict[str, Any]]:
@@ -116,7 +73,7 @@ def quarantine_line(log: str, replica_id: str) -> str | None:
 
 
 def check_wedge_handled(
-    cluster: LocalCluster, load: Load, wedged: str, wedged_at: float, health: str
+    cluster: LocalCluster, load: ChatLoad, wedged: str, wedged_at: float, health: str
 ) -> None:
     """What both tests assert once one replica is wedged under `load`."""
     assert cluster.cp is not None
@@ -176,7 +133,7 @@ def test_a_fake_engine_with_health_200_and_no_tokens_is_quarantined_and_replaced
         before = wait_for("two ready replicas", lambda: two_ready(cluster), 60)
         key = cluster.api_key()
         wedged, shard = sorted(before.items())[0]
-        with Load(cluster.router_url, key) as load:
+        with ChatLoad(cluster.router_url, key, clients=3) as load:
             wait_for("requests flowing", lambda: load.ok >= 10, 60)
             wedged_at = time.time()
             answer = httpx.post(
@@ -218,17 +175,11 @@ def test_a_sigstopped_llama_server_is_quarantined_and_replaced(
     cluster.router_extra["wedge_after_s"] = WEDGE_AFTER_S
     stopped: list[int] = []
     try:
-        cluster.setup(NODES)
-        for node in NODES:
-            cluster.write_agent_config(node, engine_paths={"llama-server": binary})
-        cluster.start_cp()
-        for node in NODES:
-            cluster.start_agent(node)
-        cluster.wait_states({n: "ready" for n in NODES}, timeout=60)
+        cluster.start_fleet(NODES, {"llama-server": binary})
         before = wait_for("two ready replicas", lambda: two_ready(cluster), 120)
         key = cluster.api_key()
         wedged, shard = sorted(before.items())[0]
-        with Load(cluster.router_url, key) as load:
+        with ChatLoad(cluster.router_url, key, clients=3) as load:
             wait_for("requests flowing", lambda: load.ok >= 10, 60)
             wedged_at = time.time()
             for pid in shard["pids"]:
