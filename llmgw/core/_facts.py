@@ -201,6 +201,24 @@ def engine_facts(
     return frozenset(runnable), said
 
 
+def engines_installing(
+    engines: model.Engines | None, declared: model.EngineDecls | None
+) -> frozenset[str]:
+    """The declared engines the node cannot run yet and its agent works on: it says
+    where it is with the install (installing, waiting, or failed, which it retries),
+    or it has an install of another version, which it replaces once told of the
+    declaration. Not an engine the node never had nor works on: only an operator ends
+    that. Retiring a replica elsewhere installs none of these sooner."""
+    if engines is None or declared is None:
+        return frozenset()
+    wanted = {d.name for d in declared.engines}
+    runnable, _ = engine_facts(engines, declared)
+    working = {p.name for p in engines.pending} | {
+        e.name for e in engines.found if e.state == "installed"
+    }
+    return frozenset((working & wanted) - (runnable or frozenset()))
+
+
 def node_facts(rec: NodeReport, declared: model.EngineDecls | None = None) -> NodeFacts:
     inv = rec.inventory
     runnable, engine_words = engine_facts(inv.engines, declared)
@@ -236,6 +254,7 @@ def node_facts(rec: NodeReport, declared: model.EngineDecls | None = None) -> No
         labels=tuple((label.key, label.value) for label in inv.labels),
         engines=runnable,
         engine_words=engine_words,
+        engines_installing=engines_installing(inv.engines, declared),
         gpus=gpus,
         nvlinks=tuple((n.a, n.b, n.links) for n in topo.nvlinks) if topo else (),
         nic_distance=tuple((d.gpu, d.nic, d.distance) for d in topo.nic_distances) if topo else (),

@@ -59,6 +59,11 @@ and 40 more: cordoned"); lines go from the nodes that came closest to fitting
 `MAX_REASON_LINES` such lines, then "... and N more nodes". A group of nodes
 starts with a line saying how many would do ("ib-b: only 1 node with an ACTIVE
 port, needs 2", or "only 1 node fits, needs 2").
+
+Besides the words, a refusal holds as data the nodes refused at stage 4 alone
+while they install the profile's engine at the declared version
+(`NodeFacts.engines_installing`; `Refusal.installing`): a rollout waits for
+them rather than taking the refusal as a fleet without room.
 """
 
 from __future__ import annotations
@@ -117,6 +122,9 @@ class NodeFacts:
     # "installing: downloading llama-b6123-bin-cpu-x86_64.tar.gz (16 MB)", "failed: ...",
     # or "has llama-server b6000, needs b6123" (llmgw/core/_facts.py, engine_facts).
     engine_words: tuple[tuple[str, str], ...] = ()
+    # The engines it cannot run yet but is installing at the declared version (the
+    # same, as data: a refusal says which nodes only wait for that, `Refusal.installing`).
+    engines_installing: frozenset[str] = frozenset()
     gpus: tuple[GpuFacts, ...] | None = None
     nvlinks: tuple[tuple[int, int, int], ...] = ()  # (gpu a, gpu b, link count)
     nic_distance: tuple[tuple[int, str, str], ...] = ()  # (gpu, adapter, PIX..SYS)
@@ -220,9 +228,12 @@ class Allocations:
 
 @attrs.frozen
 class Refusal:
-    """Why nothing fits: one line per reason, meant for the operator."""
+    """Why nothing fits: one line per reason, meant for the operator; `installing`: the
+    nodes that fail only for the profile's engine, which they are installing at the
+    declared version (a rollout waits for them rather than taking it as no room)."""
 
     reasons: tuple[str, ...]
+    installing: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return "\n".join(self.reasons)
@@ -821,7 +832,8 @@ class Placer:
                         counts[name] = counts.get(name, 0) + 1
                 for name, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
                     header.append(f"{name}: {_only(count)} with an ACTIVE port, needs {n}")
-        return Refusal((*header, *_summarise(groups)))
+        installing = _installing(self._nodes, static_groups, p)
+        return Refusal((*header, *_summarise(groups)), installing)
 
     def _static_refusal(self, p: PlacementProfile) -> tuple[dict[_Group, list[str]], list[str]]:
         """Stages 0-6 for every node: those do not change as replicas are placed."""
@@ -841,7 +853,31 @@ class Placer:
         return hit
 
 
-def _static_reason(node: _Node, p: PlacementProfile) -> _Group | None:
+ENGINE_STAGE = 4
+
+
+def _installing(
+    nodes: Mapping[str, _Node], static_groups: Mapping[_Group, list[str]], p: PlacementProfile
+) -> tuple[str, ...]:
+    """The nodes refused for `p`'s engine alone, which they are installing: once it is
+    installed they pass every static filter (free cards may still be short then, and
+    the next refusal says so)."""
+    return tuple(
+        sorted(
+            nid
+            for (stage, _why), ids in static_groups.items()
+            if stage == ENGINE_STAGE
+            for nid in ids
+            if p.engine in nodes[nid].facts.engines_installing
+            and _static_reason(nodes[nid], p, engine_ready=True) is None
+        )
+    )
+
+
+def _static_reason(
+    node: _Node, p: PlacementProfile, *, engine_ready: bool = False
+) -> _Group | None:
+    """The first static filter `node` fails for `p`; `engine_ready`: as if it had the engine."""
     f = node.facts
     if not f.ready:
         return 0, f"not ready ({f.state})" if f.state else "not ready"
@@ -855,9 +891,9 @@ def _static_reason(node: _Node, p: PlacementProfile) -> _Group | None:
             return 3, "GPUs unknown"
         if p.gpu_class not in node.cards:
             return 3, f"has no {p.gpu_class} cards"
-    if f.engines is not None and p.engine not in f.engines:
+    if not engine_ready and f.engines is not None and p.engine not in f.engines:
         said = next((w for name, w in f.engine_words if name == p.engine), None)
-        return 4, said or f"engine {p.engine} not installed"
+        return ENGINE_STAGE, said or f"engine {p.engine} not installed"
     if (
         p.min_memory_gb is not None
         and f.memory_total_bytes is not None

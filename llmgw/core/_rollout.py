@@ -17,6 +17,11 @@ reconcile plan hands the model to this rule instead of its count rule. With
 - no room: when the last pass could not place a new replica (`no_room`) and
   S > 0 but U = 0, the fleet cannot surge; the rule falls back to one at a
   time (U = 1 for that model) and says so;
+- installing: when that pass was refused on some node only because the node is
+  still installing the profile's engine at the declared version (`installing`,
+  its node ids), the fleet is not out of room: the rule does not fall back,
+  old replicas keep serving as the policy says, and the status names the nodes
+  it waits for;
 - paused (by the operator): nothing new starts beyond keeping the count,
   nothing more retires; what is retiring finishes;
 - stopped: after `max_failures` new replicas failed since the rollout began
@@ -71,6 +76,9 @@ class RolloutControl:
     failures: int = 0  # new replicas that failed since the rollout began
     no_room: bool = False  # the last pass could not place a new replica of the model
     active: bool = False  # a rollout is under way: the rule applies even with no old replica
+    # Of that refusal, the nodes refused only because they are installing the profile's
+    # engine at the declared version: the rollout waits for them instead of falling back.
+    installing: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -127,12 +135,17 @@ def rollout_model(
         f", {pending_new} starting" if pending_new else ""
     )
     failed = control.failures >= policy.max_failures
+    installing = (
+        f"; waiting for the engine to be installed on {_nodes(control.installing)}"
+        if control.installing
+        else ""
+    )
     if not old and not failed:
         starts = max(0, wanted - len(new) - pending_new)
         if new_ready >= wanted:
             return RolloutStep(model_name, RolloutPhase.DONE, starts, (), f"done: {counts}")
         # Every old one is gone (max_unavailable let them go): it ends when the new are ready.
-        why = f"rolling: {counts}; waiting for the new replicas to be ready"
+        why = f"rolling: {counts}; waiting for the new replicas to be ready{installing}"
         return RolloutStep(model_name, RolloutPhase.ROLLING, starts, (), why)
 
     if failed:
@@ -162,8 +175,9 @@ def rollout_model(
         return RolloutStep(model_name, phase, keep_count, tuple(decisions), f"{why}; {counts}")
 
     unavailable = policy.max_unavailable
-    fallback = ""
-    if control.no_room and policy.max_surge > 0 and unavailable == 0:
+    fallback = installing
+    no_room = control.no_room and not control.installing  # installs end by themselves
+    if no_room and policy.max_surge > 0 and unavailable == 0:
         unavailable = 1
         fallback = "; the fleet has no room for an extra replica, so one at a time"
     starts = max(0, min(wanted + policy.max_surge - live, wanted - len(new) - pending_new))
@@ -189,6 +203,12 @@ def rollout_model(
         f"rolling: {counts}; at most {policy.max_surge} extra, {unavailable} unavailable{fallback}"
     )
     return RolloutStep(model_name, RolloutPhase.ROLLING, starts, tuple(decisions), status)
+
+
+def _nodes(ids: Sequence[str], most: int = 3) -> str:
+    shown = ", ".join(ids[:most])
+    more = len(ids) - most
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 @attrs.frozen

@@ -6,10 +6,11 @@ refusal texts of `place`.
 
 from __future__ import annotations
 
+import attrs
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw import model
+from llmgw import core, model
 from llmgw.core import engine_facts
 from llmgw.core._placement import NodeFacts, Placement, PlacementProfile, Refusal, place
 from llmgw.cp._fleet._engines import declare
@@ -129,3 +130,54 @@ def test_runnable_and_words_never_overlap(
         if s == "configured" or wanted.get(n) in (None, v):
             assert n in runnable  # the operator's word, or the declared version: always runs
     assert all("%" not in w for _, w in words)
+
+
+def status(state: str, version: str | None = "b6123") -> model.EngineStatus:
+    return model.EngineStatus("llama-server", state, f"{state} llama-server", version)
+
+
+def test_a_refusal_names_as_data_the_nodes_that_only_wait_for_their_engine_install() -> None:
+    nodes = {
+        "n1": model.Engines(pending=(status("installing"),)),
+        "n2": model.Engines(pending=(status("waiting"),)),  # behind another apt-get
+        # told of b6123 but not yet reporting its install: it replaces its b6000
+        "n3": model.Engines(found=(found("llama-server", "b6000"),)),
+        "n4": model.Engines(pending=(status("failed"),)),  # the agent retries it
+        "n5": model.Engines(found=(found("llama-server", "b6000"),), pending=(status("failed"),)),
+        "n6": model.Engines(),  # never had it, nothing under way: only an operator helps
+        "n7": model.Engines(found=(found("llama-server", "b1", "configured"),)),  # runs it
+        "n8": model.Engines(pending=(status("installing"),)),  # installing, but too small
+        "n9": model.Engines(pending=(model.EngineStatus("vllm", "installing", "pip", "0.9.2"),)),
+    }
+    installing = {n: core.engines_installing(e, DECLS) for n, e in nodes.items()}
+    assert {n for n, names in installing.items() if "llama-server" in names} == {
+        "n1", "n2", "n3", "n4", "n5", "n8"
+    }  # fmt: skip
+    assert installing["n1"] == frozenset({"llama-server"})
+    # Nothing declared: nothing to wait for; not probed: unknown, nothing either.
+    assert core.engines_installing(nodes["n1"], None) == frozenset()
+    assert core.engines_installing(None, DECLS) == frozenset()
+
+    def facts(nid: str, engines: model.Engines) -> NodeFacts:
+        runnable, words = engine_facts(engines, DECLS)
+        memory = 2 * 2**30 if nid == "n8" else 64 * 2**30
+        return NodeFacts(nid, nid, True, engines=runnable, engine_words=words,
+                         engines_installing=installing[nid],
+                         memory_total_bytes=memory)  # fmt: skip
+
+    needs = attrs.evolve(CPU_LLAMA, min_memory_gb=8.0)
+    # n7 can run it (and has room: no refusal at all), n8 would still not fit once installed
+    assert isinstance(place([facts("n7", nodes["n7"])], needs), Placement)
+    del nodes["n7"]
+    fleet = [facts(n, e) for n, e in nodes.items()]
+    result = place(fleet, needs)
+    assert isinstance(result, Refusal)
+    assert result.installing == ("n1", "n2", "n3", "n4", "n5")
+    assert "n1, n8: installing: installing llama-server" in result.reasons  # the words stay
+    # A node that has what it needs is a placement, not a wait.
+    ready = NodeFacts("n10", "n10", True, engines=frozenset({"llama-server"}))
+    assert isinstance(place([*fleet, ready], needs), Placement)
+    # Another engine's install is no wait for this profile.
+    vllm = attrs.evolve(needs, engine="vllm")
+    refused = place(fleet, vllm)
+    assert isinstance(refused, Refusal) and refused.installing == ("n9",)

@@ -42,6 +42,8 @@ class Sim:
     failures: int = 0
     counted: set[str] = attrs.field(factory=set)
     no_room: bool = False
+    installing: int = 0  # starts refused before every node has installed the new engine
+    waiting: bool = False  # the last pass was refused only by nodes installing it
     paused: bool = False
     now: float = 0.0
     made: int = 0
@@ -66,7 +68,8 @@ class Sim:
                                rollout=self.policy)  # fmt: skip
         drain = DrainInput((), in_flight, dict(self.retiring_since), 300.0)
         control = RolloutControl(paused=self.paused, failures=self.failures,
-                                 no_room=self.no_room, active=True)  # fmt: skip
+                                 no_room=self.no_room, active=True,
+                                 installing=("n1",) if self.waiting else ())  # fmt: skip
         seen = {rid: 0.0 for rid in self.replicas}
         plan = reconcile([desired], self.shards(), {"n1": "ready"}, seen, self.now, drain=drain,
                          rollouts={"m": control})  # fmt: skip
@@ -85,6 +88,11 @@ class Sim:
         starts = sum(1 for a in plan.actions if isinstance(a, Start))
         room = starts if self.capacity is None else max(0, self.capacity - len(self.replicas))
         self.no_room = starts > room
+        self.waiting = False
+        if self.installing > 0 and starts:  # nothing can be placed, not for want of room
+            self.installing -= 1
+            # Refused everywhere (no_room), but only by nodes installing the engine.
+            room, self.no_room, self.waiting = 0, True, True
         for _ in range(min(starts, room)):
             self.add(self.target[0], 1 + self.made % 3)
         for r in self.replicas.values():
@@ -126,7 +134,7 @@ def run(sim: Sim, data: st.DataObject, passes: int = 200) -> RolloutPhase:
         steps = plan.rollouts
         phase = steps[0].phase if steps else RolloutPhase.DONE
         unavailable = sim.policy.max_unavailable
-        if sim.no_room or any("no room" in s.status for s in steps):
+        if (sim.no_room and not sim.waiting) or any("no room" in s.status for s in steps):
             unavailable = max(unavailable, 1)
         # Live: what runs plus what is being started, never more than max_surge extra.
         assert len(sim.replicas) <= sim.wanted + sim.policy.max_surge, plan
@@ -162,6 +170,41 @@ def test_a_fleet_without_room_rolls_one_at_a_time_and_says_so(
     statuses = [s.status for p in sim.history for s in p.rollouts]
     if policy.max_unavailable == 0:
         assert any("no room for an extra replica, so one at a time" in s for s in statuses)
+
+
+@settings(max_examples=100, deadline=None)
+@given(wanted=st.integers(1, 5), policy=policies, install=st.integers(1, 12), data=st.data())
+def test_while_the_nodes_install_the_new_engine_nothing_falls_back_and_the_status_says_so(
+    wanted: int, policy: RolloutPolicy, install: int, data: st.DataObject
+) -> None:
+    # `run` holds the ready replicas to wanted - max_unavailable on every pass while the
+    # refusals are only the nodes' installs: the one-at-a-time fallback never fires.
+    sim = fleet(wanted, policy, installing=install)
+    assert run(sim, data) is RolloutPhase.DONE
+    waited = [s.status for p in sim.history for s in p.rollouts
+              if "waiting for the engine" in s.status]  # fmt: skip
+    assert waited and all(
+        s.endswith("waiting for the engine to be installed on n1") for s in waited
+    )
+    assert all("no room" not in s.status for p in sim.history for s in p.rollouts), (
+        "the fallback fired while the nodes installed"
+    )
+
+
+def test_installing_keeps_the_only_replica_that_no_room_would_retire() -> None:
+    policy = RolloutPolicy()  # surge 1, unavailable 0
+    old = [RolloutMember("a", True, 0.0)]
+    drain = DrainInput((), {}, {}, 300.0)
+    no_room = rollout_model("m", 1, old, [], 0, policy, RolloutControl(no_room=True), drain, 1.0)
+    assert [d.retiring for d in no_room.decisions] == [True]  # the fallback: one at a time
+    installing = RolloutControl(no_room=True, installing=("n1", "n2", "n3", "n4"))
+    waits = rollout_model("m", 1, old, [], 0, policy, installing, drain, 1.0)
+    assert [d.retiring for d in waits.decisions] == [False]
+    assert waits.starts == 1
+    assert waits.status == (
+        "rolling: 0 of 1 new (0 ready), 1 old left; at most 1 extra, 0 unavailable; waiting "
+        "for the engine to be installed on n1, n2, n3 and 1 more"
+    )
 
 
 @settings(max_examples=100, deadline=None)

@@ -16,8 +16,9 @@ import pytest
 from llmgw import core
 from llmgw.core import ObservedShard
 from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile
+from llmgw.cp._fleet._placing import Unplaced
 from llmgw.cp._fleet._reconciler import desired
-from llmgw.cp._fleet._rollouts import Rollouts, prints
+from llmgw.cp._fleet._rollouts import Rollouts
 from llmgw.errors import UsageError
 from llmgw.store import open_store
 
@@ -28,14 +29,19 @@ def tiny(ctx: int, replicas: int = 2) -> CatalogModel:
     return CatalogModel(name="tiny", source="/m/tiny.gguf", replicas=replicas, profiles=[profile])
 
 
-def plan(catalog: Catalog, rollouts: Rollouts, fleet: dict[str, tuple[str, str]]) -> core.Plan:
-    """fleet: replica id -> (fingerprint, shard state)."""
+def plan(
+    catalog: Catalog,
+    rollouts: Rollouts,
+    fleet: dict[str, tuple[str, str]],
+    unplaced: dict[str, Unplaced] | None = None,
+) -> core.Plan:
+    """fleet: replica id -> (fingerprint, shard state); unplaced: the last pass's refusals."""
     shards = [
         ObservedShard("n1", "ready", f"{r}.0", state, r, "tiny", 0, 1, fp)
         for r, (fp, state) in sorted(fleet.items())
     ]
     return core.reconcile(desired(catalog), shards, {"n1": "ready"}, {r: 0.0 for r in fleet},
-                          1.0, rollouts=rollouts.controls(()))  # fmt: skip
+                          1.0, rollouts=rollouts.controls(unplaced or {}))  # fmt: skip
 
 
 def passes(rollouts: Rollouts, file: Catalog, fleet: dict[str, tuple[str, str]]) -> core.Plan:
@@ -51,7 +57,7 @@ async def test_a_rollout_is_kept_in_the_store_and_another_control_plane_continue
     tmp_path: Path,
 ) -> None:
     v1, v2 = Catalog((tiny(256),)), Catalog((tiny(512),))
-    fp1, fp2 = prints(v1.models[0]), prints(v2.models[0])
+    fp1, fp2 = v1.fingerprints(v1.models[0]), v2.fingerprints(v2.models[0])
     store = await open_store(tmp_path / "state", timeout_s=10)
     try:
         first = Rollouts(clock=lambda: 1000.0)
@@ -97,24 +103,24 @@ async def test_a_rollout_is_kept_in_the_store_and_another_control_plane_continue
 
 def test_undo_pins_the_version_before_until_server_yaml_changes_again() -> None:
     v1, v2, v3 = (Catalog((tiny(ctx, replicas=1),)) for ctx in (256, 512, 1024))
-    fp1, fp2, fp3 = (prints(c.models[0]) for c in (v1, v2, v3))
+    fp1, fp2, fp3 = (c.fingerprints(c.models[0]) for c in (v1, v2, v3))
     r = Rollouts()
     with pytest.raises(UsageError, match="has not been rolled out"):
-        r.undo("tiny", v2.models[0])
+        r.undo("tiny", v2)
     passes(r, v1, {"a": (fp1[0], "ready")})
     passes(r, v2, {"a": (fp1[0], "ready")})  # rolling to v2
-    r.undo("tiny", v2.models[0])
-    assert prints(r.catalog(v2).models[0]) == fp1  # v1 runs while server.yaml says v2
+    r.undo("tiny", v2)
+    assert v2.fingerprints(r.catalog(v2).models[0]) == fp1  # v1 runs while server.yaml says v2
     p = passes(r, v2, {"a": (fp1[0], "ready"), "b": (fp2[0], "ready")})
     assert [v.stale for v in p.replicas] == [False, True]  # now v2's replica is the old one
     rec = r.status("tiny").record  # type: ignore[union-attr]
     assert rec is not None and (rec.to, rec.previous, rec.undone) == (fp1, fp2, True)
-    r.undo("tiny", v2.models[0])  # again: forward to what server.yaml says
-    assert prints(r.catalog(v2).models[0]) == fp2
-    r.undo("tiny", v2.models[0])
-    assert prints(r.catalog(v2).models[0]) == fp1
+    r.undo("tiny", v2)  # again: forward to what server.yaml says
+    assert v2.fingerprints(r.catalog(v2).models[0]) == fp2
+    r.undo("tiny", v2)
+    assert v2.fingerprints(r.catalog(v2).models[0]) == fp1
     passes(r, v3, {"a": (fp1[0], "ready")})  # an edit of server.yaml lets the pin go
-    assert prints(r.catalog(v3).models[0]) == fp3
+    assert v3.fingerprints(r.catalog(v3).models[0]) == fp3
     assert r.status("tiny").pin is None  # type: ignore[union-attr]
 
 
@@ -123,4 +129,4 @@ def test_a_model_first_seen_at_its_new_version_cannot_be_undone_and_says_why() -
     r = Rollouts()
     passes(r, v2, {"a": ("fp-from-before", "ready")})  # rolling, from a version not known here
     with pytest.raises(UsageError, match="the version before this rollout is not known here"):
-        r.undo("tiny", v2.models[0])
+        r.undo("tiny", v2)

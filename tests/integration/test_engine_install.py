@@ -9,6 +9,11 @@ declaration, proven, reported, and run; never taken from PATH.
   installed (a llama-server on PATH is not reported either), and placement refuses the
   node with its words. Behind a throttled proxy,
   placement refuses the node mid-download with "installing: downloading …".
+- A new declared version of llama-server (the same binary packed under another
+  label, fetched behind the throttled proxy so the install takes seconds): the
+  replica keeps serving every request while the node installs it, the rollout says
+  it waits for the install, then the replica is rolled onto the new version's binary
+  and the old one stopped.
 - vLLM: a wheel providing a `vllm` console script that runs llmgw's fake engine as vLLM
   (llmgw.testing.fake_wheel) in the mirror's simple index; the agent creates the venv
   with real pip over the mirror's TLS with its client certificate, proves it by import,
@@ -24,13 +29,14 @@ import json
 import os
 import platform
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from helpers import llama_server_binary, slow_file_server
+from helpers import ChatLoad, llama_server_binary, slow_file_server
 
 from llmgw.testing import engine_archive, fake_engine, fake_nvidia_smi, fake_wheel, tiny_gguf
 from llmgw.testing.cluster import LocalCluster, wait_for
@@ -67,9 +73,9 @@ LLAMA_PROFILE = {
 }
 
 
-def _llama_decl(url: str, sha256: str) -> dict[str, Any]:
+def _llama_decl(url: str, sha256: str, version: str = VERSION) -> dict[str, Any]:
     return {
-        "llama-server": {"version": VERSION, "archives": {VARIANT: {"url": url, "sha256": sha256}}}
+        "llama-server": {"version": version, "archives": {VARIANT: {"url": url, "sha256": sha256}}}
     }
 
 
@@ -258,6 +264,103 @@ def test_placement_refuses_a_node_still_downloading_with_its_words(
     wait_for("llama-server installed on n1", lambda: _found(cluster, "n1", "llama-server"), 120)
     row = wait_for("tiny ready on n1", lambda: _ready(cluster, "tiny"), 120)
     assert row["nodes"] == ["n1"]
+
+
+# --- a new declared version rolls the replicas, and nothing retires while it installs ---------
+
+
+class _ReadyWatch:
+    """Polls the admin API every 0.2 s in a thread: the fewest ready `tiny` replicas seen,
+    and every rollout status seen."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.fewest: int | None = None
+        self.polls = 0
+        self.statuses: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> _ReadyWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            rows = self.cluster.first.api_get("/api/v1/replicas")["replicas"]
+            ready = sum(1 for r in rows if r["model"] == "tiny" and r["state"] == "ready")
+            self.fewest = ready if self.fewest is None else min(self.fewest, ready)
+            self.polls += 1
+            status = self.cluster.first.api_get("/api/v1/rollouts/tiny")["status"]
+            if status and status not in self.statuses:
+                self.statuses.append(status)
+
+
+def test_a_new_declared_version_rolls_the_replica_and_nothing_retires_while_it_installs(
+    cluster: LocalCluster, throttled: tuple[Path, int]
+) -> None:
+    llama_server_binary()
+    mirror = _with_mirror(cluster)
+    _, sha256 = engine_archive.pack_llama_server(
+        mirror / "engines" / "llama-server" / VERSION, VERSION, VARIANT
+    )
+    cluster.server_extra["engines"] = _llama_decl(ARCHIVE_URL, sha256)
+    models = _tiny(LLAMA_PROFILE)
+    cluster.models = models
+    cluster.setup(["n1"])
+    cluster.start_cp()
+    cluster.start_agent("n1", env={"PATH": _clean_path()})
+    old = wait_for("tiny ready on n1", lambda: _ready(cluster, "tiny"), 180)
+    home = cluster.root / "n1" / "engines" / "llama-server"
+    argvs = [argv[0] for argv in _engine_argvs(cluster, "n1")]
+    assert len(argvs) == 1 and argvs[0].startswith(str(home / VERSION) + "/"), argvs
+    settled = wait_for("tiny settled", lambda: _rollout(cluster)["settled"], 30)
+
+    # The same binary under a second label, served at 1 MiB/s: seconds of downloading.
+    version2 = f"{VERSION}-next"
+    root, port = throttled
+    archive2, sha2 = engine_archive.pack_llama_server(root, version2, VARIANT)
+    url2 = f"http://127.0.0.1:{port}/{archive2.name}"
+    key = cluster.api_key("engines")
+    with ChatLoad(cluster.router_url, key, clients=1) as load, _ReadyWatch(cluster) as watch:
+        wait_for("requests flowing", lambda: load.ok >= 3 and watch.polls >= 3, 60)
+        cluster.server_extra["engines"] = _llama_decl(url2, sha2, version2)
+        cluster.write_server_config(models)
+
+        def new_ready() -> dict[str, Any] | None:
+            row = _rollout(cluster)
+            return row if row["phase"] == "done" and row["settled"] == row["to"] else None
+
+        row = wait_for("tiny rolled onto the new version", new_ready, 240, interval=0.5)
+        served = load.ok
+        wait_for("requests after the roll", lambda: load.ok >= served + 3, 60)
+    assert load.failed == [], load.failed[:5]
+    assert watch.fewest == 1, watch.fewest  # never a moment without a ready replica
+    # It waited for the install, named, instead of retiring the only replica for room.
+    waited = [s for s in watch.statuses if "waiting for the engine to be installed on n1" in s]
+    assert waited, watch.statuses
+    assert not [s for s in watch.statuses if "no room" in s], watch.statuses
+    assert row["previous"] == settled and row["to"] != settled, row
+
+    found = _found(cluster, "n1", "llama-server")
+    assert found is not None and found["version"] == version2
+    now = _ready(cluster, "tiny")
+    assert now is not None and now["replica"] != old["replica"], (old, now)
+    rows = [r for r in _replicas(cluster) if r["model"] == "tiny"]
+    assert [r["replica"] for r in rows] == [now["replica"]], rows  # the old one stopped
+    runs = {  # shard directory (<replica>.<rank>) -> its engine's argv[0]
+        p.parent.name: json.loads(p.read_text())["procs"][0]["argv"][0]
+        for p in (cluster.root / "n1").glob("shards/*/run.json")
+    }
+    assert runs[f"{now['replica']}.0"].startswith(str(home / version2) + "/"), runs
+
+
+def _rollout(cluster: LocalCluster) -> dict[str, Any]:
+    return dict(cluster.first.api_get("/api/v1/rollouts/tiny"))
 
 
 # --- vLLM from the mirror's simple index ------------------------------------------------------

@@ -11,7 +11,6 @@ from llmgw.cp._admin._common import audit
 from llmgw.cp._admin._http import HttpError, Route, route
 from llmgw.cp._fleet._catalog_file import CatalogFile
 from llmgw.cp._fleet._reconciler import Reconciler
-from llmgw.cp._fleet._rollouts import prints
 from llmgw.errors import UsageError
 from llmgw.store import Store
 
@@ -43,7 +42,8 @@ class RolloutRoutes:
         m = catalog.catalog.model(name)
         if m is None:
             raise HttpError(404, f"no model {name!r} in the catalog")
-        running = reconciler.rollouts.catalog(catalog.catalog).model(name) or m
+        running_catalog = reconciler.rollouts.catalog(catalog.catalog)
+        running = running_catalog.model(name) or m
         mine = [v for v in reconciler.replicas() if v.model_name == name]
         mr = reconciler.rollouts.status(name)
         rec = mr.record if mr is not None else None
@@ -58,8 +58,9 @@ class RolloutRoutes:
             "paused": rec.paused if rec is not None else False,
             "failures": rec.failures if rec is not None else 0,
             "undone": bool(mr is not None and mr.pin is not None),
-            "fingerprints": list(prints(running)),  # what the fleet is rolled to now
-            "file_fingerprints": list(prints(m)),  # what server.yaml says
+            # what the fleet is rolled to now, and what server.yaml says
+            "fingerprints": list(running_catalog.fingerprints(running)),
+            "file_fingerprints": list(catalog.catalog.fingerprints(m)),
             "settled": list(mr.settled.fingerprints) if mr and mr.settled else None,
             "policy": config.unstructure(m.rollout),
             "replicas": {
@@ -103,10 +104,8 @@ class RolloutRoutes:
     async def undo(self, model: str, **_: Any) -> tuple[int, Any]:
         self.row(model)
         reconciler, catalog = self._need()
-        m = catalog.catalog.model(model)
-        assert m is not None
         try:
-            reconciler.rollouts.undo(model, m)
+            reconciler.rollouts.undo(model, catalog.catalog)
         except UsageError as exc:
             raise HttpError(409, str(exc)) from None
         return await self._done(model, "undo")

@@ -4,7 +4,11 @@ All validation happens here, with every error naming its path
 (`models[3].profiles[0].gpu_class: unknown class "h100-80"`). Each profile
 has a fingerprint that travels with its shards to the agent and back, so a
 replica started from an older profile shows as stale, also after a control
-plane restart.
+plane restart. The fingerprint holds the source, the served names, the profile
+and, when server.yaml's `engines:` declares the profile's engine, its declared
+version (`Catalog.engine_versions`): declaring another version rolls the models
+that run it. An engine not declared adds nothing, so a fleet without `engines:`
+keeps the fingerprints it had before versions counted.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from llmgw import config, core, engines
+from llmgw import config, core, engines, model
 from llmgw.cp._fleet import _traffic
 from llmgw.errors import ConfigError
 
@@ -93,6 +97,9 @@ class Catalog:
     models: tuple[CatalogModel, ...] = ()
     # server.yaml's `traffic:`: served names split between models (llmgw/cp/_fleet/_traffic.py)
     traffic: tuple[core.TrafficSplit, ...] = ()
+    # server.yaml's `engines:`: (engine, declared version), sorted by engine; () when
+    # nothing is declared. Filled where the file's two parts meet (`with_engines`).
+    engine_versions: tuple[tuple[str, str], ...] = ()
 
     def model(self, name: str) -> CatalogModel | None:
         return next((m for m in self.models if m.name == name), None)
@@ -100,14 +107,35 @@ class Catalog:
     def by_served_name(self) -> dict[str, CatalogModel]:
         return {served: m for m in self.models for served in m.names}
 
+    def fingerprint(self, m: CatalogModel, profile: Profile) -> str:
+        """The fingerprint of `profile` of `m` in this catalog: with its engine's
+        declared version when there is one."""
+        version = next((v for name, v in self.engine_versions if name == profile.engine), None)
+        return fingerprint(m, profile, version)
 
-def fingerprint(model: CatalogModel, profile: Profile) -> str:
-    """Changes exactly when what a shard of this profile would run changes."""
-    body = {
-        "source": model.source,
-        "served_names": list(model.names),
+    def fingerprints(self, m: CatalogModel) -> tuple[str, ...]:
+        """Each profile's fingerprint, in the profiles' order."""
+        return tuple(self.fingerprint(m, p) for p in m.profiles)
+
+
+def with_engines(catalog: Catalog, decls: model.EngineDecls | None) -> Catalog:
+    """`catalog` with the declared engines' versions (None: nothing declared)."""
+    versions = tuple(sorted((d.name, d.version) for d in decls.engines)) if decls else ()
+    return attrs.evolve(catalog, engine_versions=versions)
+
+
+def fingerprint(m: CatalogModel, profile: Profile, engine_version: str | None = None) -> str:
+    """Changes exactly when what a shard of this profile would run changes. Callers
+    go through `Catalog.fingerprint`, which knows the declared engine version; None
+    (not declared) leaves the body as it was before versions counted, so fleets
+    without `engines:` are not rolled by an upgrade."""
+    body: dict[str, object] = {
+        "source": m.source,
+        "served_names": list(m.names),
         "profile": config.unstructure(profile),
     }
+    if engine_version is not None:
+        body["engine_version"] = engine_version
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -2,7 +2,10 @@
 
 The file is server.yaml; its `engines:` declaration (llmgw/cp/_fleet/_engines.py) is
 reloaded with the catalog. A bad file is refused whole (catalog and engines) and
-the running ones stay, with the reasons logged.
+the running ones stay, with the reasons logged. The catalog carries the declared
+engine versions (`_catalog.with_engines`): they are part of each profile's
+fingerprint, so a new version of an engine a model runs is a catalog change
+that rolls that model.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class CatalogFile:
         load_engines: EngineLoader | None = None,
     ) -> None:
         self.path = path
-        self.catalog = initial
+        self.catalog = _catalog.with_engines(initial, engines)
         self.engines = engines
         self.load_engines = load_engines  # None: the engines are not this file's to reload
         self.loads = 1
@@ -72,14 +75,16 @@ class CatalogFile:
         on_engines: OnEngines = lambda _: None,
     ) -> bool:
         """Read the file again; False (and the running catalog and engines stay) when it
-        is refused. `on_change` is called when the catalog changed, `on_engines` with the
-        new declaration when its fingerprint changed (None: the `engines:` key went away)."""
+        is refused. `on_change` is called when the catalog changed (its models, its
+        splits, or a model's fingerprints: a new version of an engine a model runs), `on_engines` with the new declaration
+        when its fingerprint changed (None: the `engines:` key went away)."""
         try:
             data = read_data(self.path)
             catalog = _catalog.parse(data, str(self.path))
             engines = self.engines
             if self.load_engines is not None:
                 engines = await self.load_engines(data)
+            catalog = _catalog.with_engines(catalog, engines)
         except ConfigError as exc:
             self.refusals += 1
             log.error(
@@ -88,7 +93,12 @@ class CatalogFile:
                 exc,
             )
             return False
-        changed = catalog != self.catalog
+        # A new declared version changes the fingerprints of the profiles running it:
+        # that is a change of the catalog, as an edit of those models would be.
+        changed = (catalog.models, catalog.traffic) != (
+            self.catalog.models,
+            self.catalog.traffic,
+        ) or any(catalog.fingerprints(m) != self.catalog.fingerprints(m) for m in catalog.models)
         before = self.engines.fingerprint if self.engines is not None else None
         after = engines.fingerprint if engines is not None else None
         self.catalog = catalog

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 
 from llmgw import core, engines, model
-from llmgw.cp._fleet._catalog import CatalogModel, Profile, engine_profile, fingerprint
+from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile, engine_profile
 from llmgw.cp._fleet._node_record import NodeRecord
 from llmgw.cp._fleet._shards import free_port, ports_taken, to_shard_spec
 
@@ -22,6 +22,7 @@ RENDEZVOUS_PORTS = (29500, 29999)
 
 
 def shard_specs(
+    catalog: Catalog,
     m: CatalogModel,
     profile: Profile,
     where: core.Placement,
@@ -31,7 +32,8 @@ def shard_specs(
     flying: Iterable[tuple[str, model.ShardSpec]],
     engine_ports: tuple[int, int],
 ) -> list[tuple[str, model.ShardSpec]]:
-    """(node, spec) for each rank. `flying`: the ranks of starts in flight, whose ports
+    """(node, spec) for each rank of `m` (of `catalog`, whose declared engine versions
+    are in the fingerprint). `flying`: the ranks of starts in flight, whose ports
     are taken too; `engine_ports`: the range for a profile with no port_range."""
     taken = ports_taken(records.values())
     for node_id, spec in flying:
@@ -43,7 +45,7 @@ def shard_specs(
     taken.setdefault(leader_host, set()).add(rendezvous)
     addresses = tuple(records[r.node_id].host for r in where.ranks)
     eprofile = engine_profile(m, profile)
-    fp = fingerprint(m, profile)
+    fp = catalog.fingerprint(m, profile)
     out = []
     for r in where.ranks:
         rec = records[r.node_id]

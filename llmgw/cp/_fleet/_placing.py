@@ -24,6 +24,10 @@ from llmgw.cp._weights._sizes import Measuring
 class Unplaced:
     model_name: str
     reasons: tuple[str, ...]
+    # Nodes refused only because they are installing the engine at the declared version
+    # (core.Refusal.installing, over every profile): the model waits for them, it is not
+    # out of room.
+    installing: tuple[str, ...] = ()
 
 
 class Placing:
@@ -87,6 +91,7 @@ class Placing:
     ) -> tuple[Profile, core.Placement] | Unplaced:
         placer = placer or self.placer()
         reasons: list[str] = []
+        installing: set[str] = set()
         for i, profile in enumerate(m.profiles):
             result = placer.place(core.placement_profile(m, profile, self._weights_bytes(m.source)))
             if isinstance(result, core.Placement):
@@ -95,7 +100,8 @@ class Placing:
             if len(m.profiles) == 1:
                 prefix = ""
             reasons += [prefix + r for r in result.reasons] or [prefix + "no node"]
-        return Unplaced(m.name, tuple(reasons))
+            installing.update(result.installing)
+        return Unplaced(m.name, tuple(reasons), tuple(sorted(installing)))
 
     def _weights_bytes(self, source: str) -> int | None:
         got = self._sizes(source) if self._sizes is not None else None

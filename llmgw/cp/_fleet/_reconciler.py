@@ -43,7 +43,7 @@ from llmgw.core import (
     Stop,
 )
 from llmgw.cp._fleet._backoffs import ModelBackoffs
-from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile, fingerprint
+from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile
 from llmgw.cp._fleet._launch import shard_specs
 from llmgw.cp._fleet._placing import Placing, Unplaced
 from llmgw.cp._fleet._registry import NodeRegistry
@@ -75,7 +75,7 @@ def desired(catalog: Catalog) -> list[DesiredModel]:
     fingerprints with their startup timeouts."""
     out = []
     for m in catalog.models:
-        prints = tuple(fingerprint(m, p) for p in m.profiles)
+        prints = catalog.fingerprints(m)
         timeouts = {fp: p.startup_timeout_s for fp, p in zip(prints, m.profiles, strict=True)}
         out.append(DesiredModel(m.name, m.replicas, prints, timeouts, m.rollout.policy()))
     return out
@@ -228,7 +228,7 @@ class Reconciler:
         drain = core.drain_input(shards, self._registry.draining, self._in_flight,
                                  self._retiring.since(), self.drain_timeout_s, also=stale,
                                  replicas=core.gpu_drains(self._registry.records()))  # fmt: skip
-        controls = self.rollouts.controls(self._unplaced.keys())
+        controls = self.rollouts.controls(self._unplaced)
         self.wedged.note(seen, now)
 
         def reconcile() -> Plan:
@@ -248,7 +248,7 @@ class Reconciler:
         again = self.backoff.note(plan, {d.name for d in wanted}, others, now)
         if self._settle.settled and self._registry.acting():
             again = self.rollouts.note(plan, catalog, file_catalog) or again
-            controls = self.rollouts.controls(self._unplaced.keys())
+            controls = self.rollouts.controls(self._unplaced)
         if again:
             plan = reconcile()  # a failure seen in this pass delays its own replacement
         if plan.cut_off:
@@ -297,7 +297,7 @@ class Reconciler:
         for action in starts:
             m = catalog.model(action.model_name)
             if m is not None and placer is not None:
-                self._start_soon(m, placer)
+                self._start_soon(catalog, m, placer)
                 placed_models.add(m.name)
         for name in list(self._unplaced):
             if catalog.model(name) is None or (
@@ -353,7 +353,7 @@ class Reconciler:
     ) -> tuple[Profile, core.Placement] | Unplaced:
         return self.placing.try_place(m, placer)
 
-    def _start_soon(self, m: CatalogModel, placer: core.Placer) -> None:
+    def _start_soon(self, catalog: Catalog, m: CatalogModel, placer: core.Placer) -> None:
         """Place one replica now (synchronously, so the pass's next placement sees its
         cards taken) and send its start in a task of its own."""
         if self.placing.measuring(m):
@@ -372,7 +372,7 @@ class Reconciler:
         placer.add(where)  # the next placement of this pass sees these cards taken
         replica_id = f"{m.name}-{secrets.token_hex(3)}"
         records = {r.node_id: r for r in self._registry.records()}
-        specs = shard_specs(m, profile, where, replica_id, records, flying=self._flying(),
+        specs = shard_specs(catalog, m, profile, where, replica_id, records, flying=self._flying(),
                             engine_ports=self._engine_ports)  # fmt: skip
         now = self._clock()
         log.info(

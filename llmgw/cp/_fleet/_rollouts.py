@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -34,7 +34,8 @@ import trio
 
 from llmgw import config, core
 from llmgw.core import Plan, RolloutPhase, RolloutRecord
-from llmgw.cp._fleet._catalog import Catalog, CatalogModel, fingerprint
+from llmgw.cp._fleet._catalog import Catalog, CatalogModel
+from llmgw.cp._fleet._placing import Unplaced
 from llmgw.errors import ConfigError, LlmgwError, UsageError
 from llmgw.store import Store
 
@@ -44,10 +45,6 @@ STORE_RETRY_S = 2.0
 FAILURE_STATES = frozenset(
     {core.ReplicaState.FAILED, core.ReplicaState.TIMED_OUT, core.ReplicaState.INCOMPLETE}
 )
-
-
-def prints(m: CatalogModel) -> tuple[str, ...]:
-    return tuple(fingerprint(m, p) for p in m.profiles)
 
 
 @attrs.frozen
@@ -149,31 +146,36 @@ class Rollouts:
         out = []
         for m in catalog.models:
             mr = self._models.get(m.name)
-            if mr is not None and mr.pin is not None and mr.pin.against == prints(m):
+            if mr is not None and mr.pin is not None and mr.pin.against == catalog.fingerprints(m):
                 out.append(config.structure(mr.pin.version.spec, CatalogModel, f"undo of {m.name}"))
             else:
                 out.append(m)
-        return Catalog(models=tuple(out), traffic=catalog.traffic)  # the splits stay
+        # The splits and the declared engine versions stay: the engines are the fleet's.
+        return attrs.evolve(catalog, models=tuple(out))
 
     def _drop_lapsed_pins(self, catalog: Catalog) -> None:
         for m in catalog.models:
             mr = self._models.get(m.name)
-            if mr is not None and mr.pin is not None and mr.pin.against != prints(m):
+            if mr is not None and mr.pin is not None and mr.pin.against != catalog.fingerprints(m):
                 log.info("%s: server.yaml changed since its undo; rolling to it", m.name)
                 mr.pin = None
                 self._changed(m.name)
 
-    def controls(self, unplaced: Collection[str]) -> dict[str, core.RolloutControl]:
+    def controls(self, unplaced: Mapping[str, Unplaced]) -> dict[str, core.RolloutControl]:
+        """The rule's input per model: the last pass's refusal, with the nodes refused only
+        while they install the declared engine (the rule then waits instead of taking it
+        as no room)."""
         out = {}
         for name, mr in self._models.items():
             rec = mr.record
             if rec is not None:
+                u = unplaced.get(name)
                 out[name] = core.RolloutControl(
-                    paused=rec.paused, failures=rec.failures, no_room=name in unplaced,
-                    active=_active(rec),
+                    paused=rec.paused, failures=rec.failures, no_room=u is not None,
+                    active=_active(rec), installing=u.installing if u is not None else (),
                 )  # fmt: skip
-        for name in unplaced:
-            out.setdefault(name, core.RolloutControl(no_room=True))
+        for name, u in unplaced.items():
+            out.setdefault(name, core.RolloutControl(no_room=True, installing=u.installing))
         return out
 
     def failed(self, model_name: str, replica_id: str) -> None:
@@ -198,7 +200,7 @@ class Rollouts:
         again = False
         for m in catalog.models:
             mr = self._models.setdefault(m.name, ModelRollout())
-            fps = prints(m)
+            fps = catalog.fingerprints(m)
             step = steps.get(m.name)
             rec = mr.record
             if step is not None and (rec is None or rec.to != fps or not _active(rec)):
@@ -264,8 +266,13 @@ class Rollouts:
         self._changed(name)
         return self._models[name].record  # type: ignore[return-value]
 
-    def undo(self, name: str, file_model: CatalogModel) -> RolloutRecord:
-        """Back to the version before the last rollout (or forward again after an undo)."""
+    def undo(self, name: str, file_catalog: Catalog) -> RolloutRecord:
+        """Back to the version before the last rollout (or forward again after an undo).
+        Only the model's catalog entry goes back: the engine versions are declared for
+        the whole fleet, so a rollout that changed only those is refused here."""
+        file_model = file_catalog.model(name)
+        if file_model is None:
+            raise UsageError(f"no model {name!r} in the catalog")
         mr = self._models.get(name)
         if mr is None or mr.record is None:
             raise UsageError(f"{name} has not been rolled out since this store has known it")
@@ -275,13 +282,22 @@ class Rollouts:
             # The version this rollout came from, else the last that every replica ran.
             back = mr.previous
             if back is None and mr.settled is not None:
-                back = mr.settled if mr.settled.fingerprints != prints(file_model) else None
+                now = file_catalog.fingerprints(file_model)
+                back = mr.settled if mr.settled.fingerprints != now else None
             if back is None:
                 raise UsageError(
                     f"{name}: the version before this rollout is not known here (the control "
                     "plane first saw the model at its new version): edit server.yaml back"
                 )
-            mr.pin = Pin(back, prints(file_model))
+            if back.spec == config.unstructure(file_model):
+                engines = ", ".join(f"{e} {v}" for e, v in file_catalog.engine_versions)
+                raise UsageError(
+                    f"{name}: its entry in server.yaml is what it was before this rollout; "
+                    f"what changed is the declared engine version ({engines}), which is the "
+                    "whole fleet's: declare the previous version under engines: in "
+                    "server.yaml again to go back"
+                )
+            mr.pin = Pin(back, file_catalog.fingerprints(file_model))
         self._changed(name)
         log.info("%s: rollout undone by an operator", name)
         return mr.record
