@@ -181,3 +181,48 @@ def test_a_refusal_names_as_data_the_nodes_that_only_wait_for_their_engine_insta
     vllm = attrs.evolve(needs, engine="vllm")
     refused = place(fleet, vllm)
     assert isinstance(refused, Refusal) and refused.installing == ("n9",)
+
+
+LLAMA_ONLY = frozenset({"llama-server"})
+# what a node says of llama-server -> (NodeFacts.engines, NodeFacts.engines_installing)
+ENGINE_STATES: dict[str, tuple[frozenset[str] | None, frozenset[str]]] = {
+    "runs": (LLAMA_ONLY, frozenset()),
+    "installing": (frozenset(), LLAMA_ONLY),
+    "none": (frozenset(), frozenset()),
+    "unknown": (None, frozenset()),
+}
+
+nodes_strategy = st.lists(
+    st.tuples(
+        st.booleans(),  # ready
+        st.booleans(),  # cordoned
+        st.sampled_from([None, 2 * 2**30, 64 * 2**30]),  # memory
+        st.sampled_from(sorted(ENGINE_STATES)),  # llama-server
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@given(nodes_strategy)
+def test_installing_is_exactly_the_nodes_the_engine_alone_keeps_out(
+    drawn: list[tuple[bool, bool, int | None, str]],
+) -> None:
+    needs = attrs.evolve(CPU_LLAMA, min_memory_gb=8.0)
+    fleet = [
+        NodeFacts(
+            f"n{i}", f"n{i}", ready, cordoned=cordoned, memory_total_bytes=memory,
+            engines=ENGINE_STATES[engine][0], engines_installing=ENGINE_STATES[engine][1],
+        )
+        for i, (ready, cordoned, memory, engine) in enumerate(drawn)
+    ]  # fmt: skip
+    result = place(fleet, needs)
+    if isinstance(result, Placement):
+        return
+    # A CPU profile has no card to run short of: once installed, a node in `installing`
+    # fits; a node not in it is kept out by something the install does not change.
+    for f in fleet:
+        with_engine = attrs.evolve(f, engines=frozenset({"llama-server"}))
+        fits_once_installed = isinstance(place([with_engine], needs), Placement)
+        expected = "llama-server" in f.engines_installing and fits_once_installed
+        assert (f.node_id in result.installing) == expected, (f, result)
