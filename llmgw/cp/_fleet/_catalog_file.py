@@ -76,8 +76,9 @@ class CatalogFile:
     ) -> bool:
         """Read the file again; False (and the running catalog and engines stay) when it
         is refused. `on_change` is called when the catalog changed (its models, its
-        splits, or a model's fingerprints: a new version of an engine a model runs), `on_engines` with the new declaration
-        when its fingerprint changed (None: the `engines:` key went away)."""
+        splits, or a model's fingerprints: a new version of an engine a model runs),
+        `on_engines` with the new declaration when its fingerprint changed (None: the
+        `engines:` key went away)."""
         try:
             data = read_data(self.path)
             catalog = _catalog.parse(data, str(self.path))
