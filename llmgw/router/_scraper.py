@@ -44,9 +44,11 @@ class EndpointState:
 
     __slots__ = (
         "breaker",
+        "byte_at",
         "endpoint",
         "flights",
         "generated",
+        "generated_moved",
         "healthy",
         "in_flight",
         "index",
@@ -97,10 +99,15 @@ class EndpointState:
         # The wedge watch's (llmgw/router/_wedge.py): attempts in flight; the newest sign
         # of progress (a byte of an attempt that ended, the engine's generation counter
         # seen to move: `generated`, its last reading); the quarantine (None: none;
-        # choose leaves it out).
+        # choose leaves it out). What lifts a quarantine must have happened after it
+        # began, so the watch reads the two kinds apart: `byte_at`, the newest byte of
+        # an ended attempt (exact), and `generated_moved`, the span (previous scrape,
+        # this scrape) in which the counter moved (the tokens may be from any time in it).
         self.flights: set[Flight] = set()
         self.progress_at: float | None = None
+        self.byte_at: float | None = None
         self.generated: float | None = None
+        self.generated_moved: tuple[float | None, float] | None = None
         self.quarantine: Quarantine | None = None
 
     def __repr__(self) -> str:
@@ -118,6 +125,8 @@ class EndpointState:
         """An attempt here has ended: its newest byte is the endpoint's progress, if newer."""
         self.flights.discard(flight)
         seen = flight.last_byte_at()
+        if seen is not None and (self.byte_at is None or seen > self.byte_at):
+            self.byte_at = seen
         if seen is not None and (self.progress_at is None or seen > self.progress_at):
             self.progress_at = seen
 
@@ -224,6 +233,7 @@ class Scraper:
         if generated is not None:  # its token count moved: it makes progress
             if state.generated is not None and generated > state.generated:
                 state.progress_at = now
+                state.generated_moved = (state.scraped_at, now)
             state.generated = generated
         state.own_at_scrape = own
         state.scraped_at = now

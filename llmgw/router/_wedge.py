@@ -131,7 +131,13 @@ class WedgeWatch:
             return
         eid = state.endpoint.endpoint_id
         seen = [f.last_byte_at() for f in state.flights]
-        seen.append(state.progress_at)
+        seen.append(state.byte_at)
+        # A counter that moved between two scrapes counts only when both came after the
+        # quarantine began: tokens generated just before the wedge, read by the first
+        # scrape after it, are no sign that it works again.
+        moved = state.generated_moved
+        if moved is not None and moved[0] is not None and moved[0] >= q.at:
+            seen.append(moved[1])
         latest = max((t for t in seen if t is not None), default=None)
         if latest is not None and latest > q.at:
             log.warning("%s sends bytes again: quarantine lifted (%s)", eid, q.reason)

@@ -27,12 +27,17 @@ async def test_a_wedged_engine_is_quarantined_and_its_waiting_requests_served_el
 ) -> None:
     slow = {"LLMGW_FAKE_TOKEN_DELAY": "0.02"}  # about 0.3 s an answer: always some in flight
     stuck, good = start_engine("chat", env=slow), start_engine("chat", env=slow)
+    # least-load, not round-robin: with six clients in a closed loop, round-robin sends
+    # every client in turn to the wedged engine, where it waits; once all six wait there
+    # the other engine gets nothing, makes no progress, and nothing can be told from a
+    # router that is itself stuck (about half the runs, before the switch to least-load).
+    # A fleet's clients do not all wait on one engine; least-load keeps the good one busy.
     async with (
         serve_router(
             [stuck.endpoint("stuck"), good.endpoint("good")],
             wedge_after_s=1.0,
             wedge_quarantine_s=600.0,
-            policy="round-robin",
+            policy="least-load",
         ) as r,
         httpx.AsyncClient(timeout=60) as h,
     ):
@@ -162,3 +167,39 @@ async def test_a_long_non_streamed_answer_is_not_a_wedge_while_its_engine_counts
     assert set(codes) == {200}
     assert sample(text, QUARANTINES) is None
     assert sample(text, FAILURES, phase="wedged") is None
+
+
+async def test_a_counter_read_after_the_quarantine_lifts_it_only_for_tokens_made_after_it() -> None:
+    """The engine's generation counter is read once a second: a move seen by the first
+    scrape after a quarantine began may be tokens made just before the wedge, and must
+    not lift it (it did, and the quarantined engine got requests again); a move between
+    two scrapes both after it is the engine working again."""
+    from llmgw.core import Breaker, BreakerConfig, WedgeConfig
+    from llmgw.router._flight import Quarantine
+    from llmgw.router._scraper import EndpointState
+    from llmgw.router._types import Endpoint
+    from llmgw.router._wedge import WedgeWatch
+
+    state = EndpointState(
+        Endpoint("stuck", "chat", "llama-server", "127.0.0.1", 9, 1), Breaker(BreakerConfig())
+    )
+
+    async def health(_: EndpointState) -> str:
+        return "/health 200"
+
+    watch = WedgeWatch(
+        WedgeConfig(wedge_after_s=1.0, max_wait_s=600.0), 600.0,
+        lambda: {"chat": [state]}, health, lambda model, endpoint: None,
+    )  # fmt: skip
+    try:
+        async with trio.open_nursery() as nursery:
+            state.quarantine = Quarantine(10.0, "wedged: 2 requests, no bytes for 1 s")
+            state.generated, state.progress_at = 40.0, 10.6
+            state.generated_moved = (9.6, 10.6)  # read at 10.6, made before it or after
+            assert watch.check(11.0, nursery) == []
+            assert state.quarantine is not None
+            state.generated_moved = (10.6, 11.6)  # both reads after it: it generates again
+            watch.check(12.0, nursery)
+            assert state.quarantine is None
+    finally:
+        state.close()
