@@ -5,16 +5,20 @@ and the keys themselves in the store (llmgw/store, `StoreKeys`) or a
 configuration file (`StaticKeys`); here is how the router reads them.
 Secrets are shown once, at creation; stores keep only their SHA-256. The router
 looks keys up through `CachedKeys`, so a request costs a dictionary lookup, not
-a store round trip; a revocation through the same `CachedKeys` takes effect at
-once in this process, and within the cache's TTL in any other.
+a store round trip, even when the entry has expired (it is refreshed behind the
+request); a revocation through the same `CachedKeys` takes effect at once in
+this process, and within the cache's TTL plus one store answer in any other.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 from typing import Protocol
+
+import trio
 
 from llmgw.errors import ConfigError, LlmgwError, UsageError
 from llmgw.keys import ApiKey, digest
@@ -134,8 +138,23 @@ class StaticKeys:
         return self._by_digest.get(digest(secret))
 
 
+def _usable(key: ApiKey | None) -> ApiKey | None:
+    """A cached key as a request may use it: None once it has expired while cached."""
+    return key if key is not None and key.usable(time.time()) else None
+
+
 class CachedKeys:
     """A store's lookups, remembered for `ttl_s` (unknown secrets for `negative_ttl_s`).
+
+    A usable key whose entry has expired is answered at once and looked up again
+    behind the request (one lookup in flight per secret, in `run`'s nursery), so a
+    slow or frozen store never delays a request whose key is cached; the refresh's
+    answer replaces the entry (a revoked, expired or removed key is refused from
+    then on). A refresh that fails keeps the cached key, for as long as the store
+    does not answer: refusing known good keys during a store outage would turn a
+    store problem into an outage of every router. A secret with nothing usable
+    cached (never seen, unknown or revoked) waits for the store. Without `run`
+    (nothing to refresh in), an expired entry is looked up in line.
 
     At most `max_entries` are kept; when full, the cache starts over, so a
     flood of made-up secrets costs store lookups, never memory.
@@ -154,12 +173,20 @@ class CachedKeys:
         self.negative_ttl_s = negative_ttl_s
         self.max_entries = max_entries
         self._cache: dict[bytes, tuple[ApiKey | None, float]] = {}
+        self._nursery: trio.Nursery | None = None
+        self._refreshing: set[bytes] = set()
+        self._warned_at = -math.inf
         self.hits = 0
         self.misses = 0
-        self.stale_served = 0  # cached keys answered past their TTL while the store failed
+        self.stale_served = 0  # cached keys answered past their TTL (refresh pending or failed)
+        self.refreshes = 0  # lookups started behind a request
+        self.refresh_failures = 0
 
     def __repr__(self) -> str:
-        return f"<CachedKeys {len(self._cache)} cached, {self.hits} hits, {self.misses} misses>"
+        return (
+            f"<CachedKeys {len(self._cache)} cached, {self.hits} hits, {self.misses} misses,"
+            f" {self.stale_served} stale, {len(self._refreshing)} refreshing>"
+        )
 
     def statistics(self) -> dict[str, int]:
         return {
@@ -167,7 +194,21 @@ class CachedKeys:
             "hits": self.hits,
             "misses": self.misses,
             "stale_served": self.stale_served,
+            "refreshes": self.refreshes,
+            "refreshing": len(self._refreshing),
+            "refresh_failures": self.refresh_failures,
         }
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery that refreshes run in (the router runs this), until cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            self._refreshing.clear()
 
     async def lookup(self, secret: str) -> ApiKey | None:
         """The usable key for `secret`: None when unknown or revoked."""
@@ -176,10 +217,15 @@ class CachedKeys:
         entry = self._cache.get(d)
         if entry is not None and entry[1] > now:
             self.hits += 1
-            cached = entry[0]
-            if cached is not None and not cached.usable(time.time()):
-                return None  # expired while cached
-            return cached
+            return _usable(entry[0])
+        if entry is not None and entry[0] is not None and self._nursery is not None:
+            # Expired but known: answer now, ask the store behind the request.
+            self.stale_served += 1
+            if d not in self._refreshing:
+                self._refreshing.add(d)
+                self.refreshes += 1
+                self._nursery.start_soon(self._refresh, secret, d, entry)
+            return _usable(entry[0])
         self.misses += 1
         try:
             key = await self.store.lookup(secret)
@@ -189,16 +235,40 @@ class CachedKeys:
             # ttl_s aside; one it has never seen cannot be checked (the caller answers 503).
             if entry is not None and entry[0] is not None and entry[0].usable(time.time()):
                 self.stale_served += 1
-                if self.stale_served % 1000 == 1:
-                    log.warning("key store unreachable; serving cached keys: %s", exc)
+                self._warn(exc)
                 return entry[0]
             raise
+        return self._remember(d, key, now)
+
+    async def _refresh(self, secret: str, d: bytes, entry: tuple[ApiKey | None, float]) -> None:
+        try:
+            key = await self.store.lookup(secret)
+        except LlmgwError as exc:
+            self.refresh_failures += 1
+            self._warn(exc)  # the cached key stays; the next request tries again
+            return
+        finally:
+            self._refreshing.discard(d)
+        if self._cache.get(d) is entry:  # not invalidated (revoked here) meanwhile
+            self._remember(d, key, time.monotonic())
+
+    def _remember(self, d: bytes, key: ApiKey | None, now: float) -> ApiKey | None:
         if key is not None and (key.revoked or not key.usable(time.time())):
             key = None
         if len(self._cache) >= self.max_entries:
             self._cache.clear()
         self._cache[d] = (key, now + (self.ttl_s if key is not None else self.negative_ttl_s))
         return key
+
+    def _warn(self, exc: LlmgwError) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= 60.0:
+            self._warned_at = now
+            log.warning(
+                "key store unreachable; serving cached keys (%d answered stale so far): %s",
+                self.stale_served,
+                exc,
+            )
 
     async def create(
         self,

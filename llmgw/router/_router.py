@@ -204,6 +204,7 @@ class Router:
     async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             self.fleet.refresh()
+            await nursery.start(self.keys.run)  # key lookups refresh behind requests
             await nursery.start(self.scraper.run)
             nursery.start_soon(self._watch_source)
             nursery.start_soon(self.wedges.run)

@@ -8,10 +8,13 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
+import trio
+import trio.testing
 
-from llmgw.errors import ConfigError, UsageError
+from llmgw.errors import ConfigError, DeadlineExceeded, UsageError
 from llmgw.keys import ApiKey, digest
 from llmgw.router._keys import CachedKeys, StaticKeys
 from llmgw.router._main import open_keys_db
@@ -230,8 +233,6 @@ async def test_a_known_key_outlives_a_store_outage_and_an_unknown_one_is_503(
     """The store down (PostgreSQL gone): keys this router has seen keep working past the
     cache's TTL; a secret it has never seen cannot be checked: 503 with Retry-After, not
     a 500 and not a 401 (the key may well be valid)."""
-    from llmgw.errors import DeadlineExceeded
-
     key = ApiKey("k1", "acme", None, "interactive", "interactive", 0.0)
 
     class FlakyStore(StaticKeys):
@@ -260,3 +261,83 @@ async def test_a_known_key_outlives_a_store_outage_and_an_unknown_one_is_503(
         assert "no answer within 10 s" in unknown.json()["error"]["message"]
         store.down = False
         assert (await h.post(url, headers=known, json=body)).status_code == 200
+
+
+class GatedStore(StaticKeys):
+    """A KeyStore whose lookups can be held (a frozen store) and whose answer can change."""
+
+    def __init__(self, secret: str, key: ApiKey) -> None:
+        super().__init__([(secret, key)])
+        self.answer: ApiKey | None = key
+        self.calls = 0
+        self.held = False
+        self.gate = trio.Event()
+        self.fail = False
+
+    async def lookup(self, secret: str) -> ApiKey | None:
+        self.calls += 1
+        if self.held:
+            await self.gate.wait()
+        if self.fail:
+            raise DeadlineExceeded("store postgresql://db:5432/llmgw: no answer within 10 s")
+        return self.answer
+
+
+KNOWN = ApiKey("k1", "acme", None, "interactive", "interactive", 0.0)
+
+
+async def test_an_expired_entry_answers_at_once_and_one_refresh_brings_a_revocation() -> None:
+    """The store frozen: a cached key whose entry has expired is answered without waiting,
+    by many requests, while exactly one lookup runs behind them; when the store answers
+    that the key is revoked, the next request is refused, without asking it again."""
+    store = GatedStore("llmgw-known", KNOWN)
+    cached = CachedKeys(store, ttl_s=0.0, negative_ttl_s=300)  # every entry expires at once
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cached.run)
+        assert await cached.lookup("llmgw-known") == KNOWN  # nothing cached: asks the store
+        assert store.calls == 1
+        store.held = True
+        store.answer = attrs.evolve(KNOWN, revoked=True)
+        with trio.fail_after(1):  # the frozen store never answers: these must not wait
+            for _ in range(5):
+                assert await cached.lookup("llmgw-known") == KNOWN
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.calls == 2  # one refresh, not five
+        stats = cached.statistics()
+        assert (stats["stale_served"], stats["refreshes"], stats["refreshing"]) == (5, 1, 1)
+        store.gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert cached.statistics()["refreshing"] == 0
+        assert await cached.lookup("llmgw-known") is None
+        assert store.calls == 2  # the revocation came from the refresh, now cached
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_failed_refresh_keeps_the_cached_key_and_a_local_revocation_wins() -> None:
+    """A refresh that fails keeps serving the key (the next request tries again); a
+    refresh in flight while this process revokes the key does not bring it back."""
+    store = GatedStore("llmgw-known", KNOWN)
+    cached = CachedKeys(store, ttl_s=0.0, negative_ttl_s=300)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cached.run)
+        assert await cached.lookup("llmgw-known") == KNOWN
+        store.fail = True
+        assert await cached.lookup("llmgw-known") == KNOWN
+        await trio.testing.wait_all_tasks_blocked()
+        assert cached.statistics()["refresh_failures"] == 1
+        assert await cached.lookup("llmgw-known") == KNOWN  # still served; refreshed again
+        await trio.testing.wait_all_tasks_blocked()
+        assert (store.calls, cached.statistics()["refresh_failures"]) == (3, 2)
+
+        store.fail, store.held = False, True
+        assert await cached.lookup("llmgw-known") == KNOWN  # a refresh now hangs
+        await trio.testing.wait_all_tasks_blocked()
+        cached.invalidate("k1")  # revoked here meanwhile (the store says so from now on)
+        store.answer, store.held = None, False
+        store.gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        # The refresh's answer, read before the revocation, was dropped: the next lookup
+        # asks the store itself.
+        assert await cached.lookup("llmgw-known") is None
+        assert store.calls == 5
+        nursery.cancel_scope.cancel()
