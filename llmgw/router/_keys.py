@@ -138,6 +138,11 @@ class StaticKeys:
         return self._by_digest.get(digest(secret))
 
 
+# How long a request whose cached key is past its TTL waits for the store's fresh answer
+# before it takes the cached one (only while the store has been answering).
+INLINE_WAIT_S = 0.25
+
+
 def _usable(key: ApiKey | None) -> ApiKey | None:
     """A cached key as a request may use it: None once it has expired while cached."""
     return key if key is not None and key.usable(time.time()) else None
@@ -146,15 +151,18 @@ def _usable(key: ApiKey | None) -> ApiKey | None:
 class CachedKeys:
     """A store's lookups, remembered for `ttl_s` (unknown secrets for `negative_ttl_s`).
 
-    A usable key whose entry has expired is answered at once and looked up again
-    behind the request (one lookup in flight per secret, in `run`'s nursery), so a
-    slow or frozen store never delays a request whose key is cached; the refresh's
-    answer replaces the entry (a revoked, expired or removed key is refused from
-    then on). A refresh that fails keeps the cached key, for as long as the store
-    does not answer: refusing known good keys during a store outage would turn a
-    store problem into an outage of every router. A secret with nothing usable
-    cached (never seen, unknown or revoked) waits for the store. Without `run`
-    (nothing to refresh in), an expired entry is looked up in line.
+    A cached key is looked up again behind the requests that use it from half its
+    TTL on (one lookup in flight per secret, in `run`'s nursery), and the answer
+    replaces the entry: while the store answers, a key revoked elsewhere is refused
+    within `ttl_s`. A request that finds its entry past the TTL waits for that
+    lookup at most `INLINE_WAIT_S`, then is answered from the cache: a slow or
+    frozen store never delays a request whose key is cached by more than that, and
+    once a wait has run out nothing waits again until the store next answers. A
+    refresh that fails keeps the cached key, for as long as the store does not
+    answer: refusing known good keys during a store outage would turn a store
+    problem into an outage of every router. A secret with nothing usable cached
+    (never seen, unknown or revoked) waits for the store. Without `run` (nothing
+    to refresh in), an expired entry is looked up in line.
 
     At most `max_entries` are kept; when full, the cache starts over, so a
     flood of made-up secrets costs store lookups, never memory.
@@ -174,7 +182,8 @@ class CachedKeys:
         self.max_entries = max_entries
         self._cache: dict[bytes, tuple[ApiKey | None, float]] = {}
         self._nursery: trio.Nursery | None = None
-        self._refreshing: set[bytes] = set()
+        self._refreshing: dict[bytes, trio.Event] = {}  # set when the lookup is over
+        self._store_silent = False  # a wait ran out; cleared by the store's next answer
         self._warned_at = -math.inf
         self.hits = 0
         self.misses = 0
@@ -215,16 +224,36 @@ class CachedKeys:
         d = digest(secret)
         now = time.monotonic()
         entry = self._cache.get(d)
-        if entry is not None and entry[1] > now:
-            self.hits += 1
-            return _usable(entry[0])
         if entry is not None and entry[0] is not None and self._nursery is not None:
-            # Expired but known: answer now, ask the store behind the request.
-            self.stale_served += 1
-            if d not in self._refreshing:
-                self._refreshing.add(d)
+            # Known: refreshed behind the request from half the TTL on; past the TTL,
+            # the request waits a moment for the store (so a revocation holds within
+            # the TTL while the store answers), then takes the cached answer.
+            if entry[1] - now > self.ttl_s / 2:
+                self.hits += 1
+                return _usable(entry[0])
+            done = self._refreshing.get(d)
+            if done is None:
+                done = self._refreshing[d] = trio.Event()
                 self.refreshes += 1
                 self._nursery.start_soon(self._refresh, secret, d, entry)
+            if entry[1] > now:
+                self.hits += 1
+                return _usable(entry[0])
+            if not self._store_silent:
+                with trio.move_on_after(INLINE_WAIT_S):
+                    await done.wait()
+                if not done.is_set():
+                    self._store_silent = True
+            fresh = self._cache.get(d)
+            if fresh is not entry and fresh is not None:  # the store's answer, or a new one
+                self.hits += 1
+                return _usable(fresh[0])
+            if fresh is entry:  # the store did not answer in time: the cached key
+                self.stale_served += 1
+                return _usable(entry[0])
+            entry = None  # revoked here meanwhile: asked again below
+        if entry is not None and entry[1] > now:
+            self.hits += 1
             return _usable(entry[0])
         self.misses += 1
         try:
@@ -246,11 +275,20 @@ class CachedKeys:
         except LlmgwError as exc:
             self.refresh_failures += 1
             self._warn(exc)  # the cached key stays; the next request tries again
+            self._finished(d)
             return
-        finally:
-            self._refreshing.discard(d)
+        except BaseException:
+            self._finished(d)
+            raise
+        self._store_silent = False
         if self._cache.get(d) is entry:  # not invalidated (revoked here) meanwhile
             self._remember(d, key, time.monotonic())
+        self._finished(d)  # after the answer is in: a waiting request reads it
+
+    def _finished(self, d: bytes) -> None:
+        done = self._refreshing.pop(d, None)
+        if done is not None:
+            done.set()
 
     def _remember(self, d: bytes, key: ApiKey | None, now: float) -> ApiKey | None:
         if key is not None and (key.revoked or not key.usable(time.time())):

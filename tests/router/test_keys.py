@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -287,9 +288,10 @@ KNOWN = ApiKey("k1", "acme", None, "interactive", "interactive", 0.0)
 
 
 async def test_an_expired_entry_answers_at_once_and_one_refresh_brings_a_revocation() -> None:
-    """The store frozen: a cached key whose entry has expired is answered without waiting,
-    by many requests, while exactly one lookup runs behind them; when the store answers
-    that the key is revoked, the next request is refused, without asking it again."""
+    """The store frozen: a cached key whose entry has expired is answered from the cache
+    (the first request waits INLINE_WAIT_S for the store, the next not at all), while
+    exactly one lookup runs behind them; when the store answers that the key is revoked,
+    the next request is refused, without asking it again."""
     store = GatedStore("llmgw-known", KNOWN)
     cached = CachedKeys(store, ttl_s=0.0, negative_ttl_s=300)  # every entry expires at once
     async with trio.open_nursery() as nursery:
@@ -340,4 +342,31 @@ async def test_a_failed_refresh_keeps_the_cached_key_and_a_local_revocation_wins
         # asks the store itself.
         assert await cached.lookup("llmgw-known") is None
         assert store.calls == 5
+        nursery.cancel_scope.cancel()
+
+
+async def test_while_the_store_answers_a_revocation_holds_within_the_ttl() -> None:
+    """A key revoked in the store (by another control plane) is refused by every request
+    past `ttl_s` while the store answers: refreshed from half the TTL on behind the
+    requests, and a request that finds its entry past the TTL waits for the store's
+    answer rather than take the cached key."""
+    store = GatedStore("llmgw-known", KNOWN)
+    cached = CachedKeys(store, ttl_s=1.0, negative_ttl_s=300)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cached.run)
+        assert await cached.lookup("llmgw-known") == KNOWN
+        store.answer = attrs.evolve(KNOWN, revoked=True)
+        await trio.sleep(1.1)  # the TTL under test: nothing looked the key up meanwhile
+        assert await cached.lookup("llmgw-known") is None  # waited for the store's answer
+        assert store.calls == 2
+
+        # Used all the time: refreshed from half the TTL on, so refused before the TTL.
+        other = CachedKeys(GatedStore("llmgw-known", KNOWN), ttl_s=1.0, negative_ttl_s=300)
+        await nursery.start(other.run)
+        assert await other.lookup("llmgw-known") == KNOWN
+        other.store.answer = attrs.evolve(KNOWN, revoked=True)  # type: ignore[attr-defined]
+        began = time.monotonic()
+        while await other.lookup("llmgw-known") is not None:
+            assert time.monotonic() - began < 1.0, "admitted past the TTL"
+            await trio.sleep(0.02)
         nursery.cancel_scope.cancel()
