@@ -41,9 +41,9 @@ def postgres_pids(dsn: str) -> list[int]:
 
     with psycopg.connect(dsn) as conn:
         row = conn.execute("SELECT pg_backend_pid()").fetchone()
-    assert row is not None
-    backend = int(row[0])
-    postmaster = _ppid(backend)
+        assert row is not None
+        backend = int(row[0])
+        postmaster = _ppid(backend)  # while it runs: it exits with the connection
     children = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) not in (postmaster, backend):  # ours is closing
