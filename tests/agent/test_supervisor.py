@@ -219,12 +219,15 @@ async def test_leftover_engine_with_no_spec_is_killed(tmp_path: Path) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.run)
             assert sup.reports() == ()
-            assert engine.wait(5) == -signal.SIGKILL
+            # Waited for in a thread: a blocking wait here would hold the event loop, and
+            # with it the supervisor's own task that kills the engine (5 s, now and then).
+            assert await trio.to_thread.run_sync(engine.wait, 5) == -signal.SIGKILL
             assert not (tmp_path / "shards" / "s6").exists()
             nursery.cancel_scope.cancel()
     finally:
         if engine.poll() is None:
             engine.kill()
+            engine.wait()
 
 
 async def test_marked_process_whose_shard_is_unknown_is_killed_but_another_agents_is_not(
@@ -248,7 +251,7 @@ async def test_marked_process_whose_shard_is_unknown_is_killed_but_another_agent
         sup = Supervisor(tmp_path)
         async with trio.open_nursery() as nursery:
             await nursery.start(sup.run)
-            assert mine.wait(5) == -signal.SIGKILL
+            assert await trio.to_thread.run_sync(mine.wait, 5) == -signal.SIGKILL
             assert theirs.poll() is None
             nursery.cancel_scope.cancel()
     finally:
