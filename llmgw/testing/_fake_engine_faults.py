@@ -76,13 +76,9 @@ class Faults:
     def switch_tokens(self, body: bytes) -> Reply:
         """`POST /fake/tokens`: `{"hang": bool}`; while true, no generation sends another
         token (new ones included) and nothing else changes; the answer echoes it."""
-        try:
-            hang = json.loads(body or b"{}").get("hang")
-        except (ValueError, AttributeError):
-            hang = None
-        if not isinstance(hang, bool):
-            message = 'the body must be {"hang": true} or {"hang": false}'
-            return error(self._engine, 400, message)
+        hang = self._hang_switch(body)
+        if isinstance(hang, Reply):
+            return hang
         self.tokens_hang = hang
         if hang and self._flowing.is_set():
             self._flowing = trio.Event()
@@ -104,6 +100,14 @@ class Faults:
 
     def switch_health(self, body: bytes) -> Reply:
         """`POST /fake/health`: `{"hang": bool}` sets the switch; the answer echoes it."""
+        hang = self._hang_switch(body)
+        if isinstance(hang, Reply):
+            return hang
+        self.health_hangs = hang
+        return Reply(200, dumps({"hang": hang}))
+
+    def _hang_switch(self, body: bytes) -> bool | Reply:
+        """A switch's `{"hang": bool}` body: the value, or the 400 that says what is wrong."""
         try:
             hang = json.loads(body or b"{}").get("hang")
         except (ValueError, AttributeError):
@@ -111,8 +115,7 @@ class Faults:
         if not isinstance(hang, bool):
             message = 'the body must be {"hang": true} or {"hang": false}'
             return error(self._engine, 400, message)
-        self.health_hangs = hang
-        return Reply(200, dumps({"hang": hang}))
+        return hang
 
     async def _hang_health_later(self, after: float) -> None:
         await trio.sleep(after)
