@@ -34,6 +34,8 @@ from llmgw.errors import ParseError
 from llmgw.host.os_release import parse_os_release
 from llmgw.router._continue import Join
 from llmgw.router._http1 import END, Failure, Head, RequestParser
+from llmgw.router._metering import UsageStrip
+from llmgw.router._surface import timings_usage
 
 # The recorded samples live in the repository (tests/data/INDEX.md names their sources).
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "data"
@@ -141,9 +143,28 @@ def _stream_join(text: str) -> object:
     return whole
 
 
+def _usage_strip(text: str) -> object:
+    """What asking for usage added, taken out (llmgw/router/_metering.py) of an engine's
+    SSE bytes fed whole and in 7-byte pieces: the same output either way, a stream
+    without `"usage"` unchanged, and llama-server's `timings` read or not, never raising."""
+    data = text.encode("utf-8", "replace")
+
+    def run(pieces: list[bytes]) -> tuple[bytes, bytes]:
+        strip = UsageStrip(nulls=True)
+        fed = [strip.feed(p) for p in pieces]
+        return b"".join(o for o, _ in fed) + strip.end(), b"".join(r for _, r in fed)
+
+    whole = run([data])
+    assert whole == run([data[i : i + 7] for i in range(0, len(data), 7)]), data
+    if b'"usage"' not in data:
+        assert whole == (data, b""), data
+    return whole, timings_usage(data)
+
+
 _SSE_SEEDS = tuple(
     "\n\n".join(t.split("\n\n", 3)[:3]) + "\n\n" for t in _fixtures("llama-server-*.sse")
 )
+_USAGE_SEEDS = _fixtures("llama-server-*-usage.sse", "vllm-*.sse")
 _CHAT = b'{"model":"chat","messages":[{"role":"user","content":"hi"}]}'
 _HTTP_SEEDS = tuple(
     s.decode("latin-1")
@@ -203,6 +224,7 @@ TARGETS: dict[str, Target] = {
         Target("kernel_log_xids", _kernel_log, _fixtures("kernlog-*")),
         Target("smi_q_memory", d.parse_smi_q_memory, _fixtures("q-*", "smiq-*")),
         Target("stream_join", _stream_join, _SSE_SEEDS),
+        Target("usage_strip", _usage_strip, _USAGE_SEEDS),
     )
 }
 

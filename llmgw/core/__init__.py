@@ -46,6 +46,7 @@ from llmgw.core._liveness import (
     registered,
     step,
 )
+from llmgw.core._metering import METERED_STREAM_ROUTES, StreamMetering, stream_metering
 from llmgw.core._placement import (
     Allocations,
     GpuFacts,
@@ -152,6 +153,7 @@ __all__ = [
     "ATTEMPT_VERDICTS",
     "CONTINUATION_REFUSALS",
     "MARKER",
+    "METERED_STREAM_ROUTES",
     "NO_MATCH",
     "PARTIAL_SUFFIX",
     "POLICIES",
@@ -229,6 +231,7 @@ __all__ = [
     "SourceKind",
     "Start",
     "Stop",
+    "StreamMetering",
     "Tick",
     "TrafficChoice",
     "TrafficPinError",
@@ -290,6 +293,7 @@ __all__ = [
     "shares",
     "socket_interface",
     "step",
+    "stream_metering",
     "unhealthy_words",
     "wanted_cache_names",
     "wedged",

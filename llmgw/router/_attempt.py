@@ -37,11 +37,13 @@ from llmgw.core import (
     head_outcome,
     learn,
     learn_pace,
+    stream_metering,
 )
 from llmgw.router import _surface
 from llmgw.router._continue import Join
 from llmgw.router._fleet import Fleet, Model
 from llmgw.router._flight import Flight
+from llmgw.router._metering import UsageStrip
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._record import Ask, Record
 from llmgw.router._scraper import EndpointState
@@ -200,12 +202,22 @@ class Attempts:
                 metrics.retried(model.name)
             eid = state.endpoint.endpoint_id
             tried.add(eid)
+            engine = state.endpoint.engine
+            strip: UsageStrip | None = None
             if join is not None:
-                asked = join.body(state.endpoint.engine)
+                asked = join.body(engine)
                 if not isinstance(asked, bytes):  # this engine cannot continue it; another may
                     refused = (asked.value, CONTINUATION_REFUSALS[asked])
                     continue
                 body = asked
+                if ask.usage_body is not None:  # the continuation asks (llmgw/router/_router.py)
+                    strip = UsageStrip(nulls=stream_metering(engine, ask.path).nulls)
+            elif ask.usage_body is not None:
+                metering = stream_metering(engine, ask.path)
+                if metering.ask:  # an engine that says its tokens only when asked
+                    body, strip = ask.usage_body, UsageStrip(nulls=metering.nulls)
+                else:  # the stream as the client asked for it, read as it passes
+                    body = ask.body
             breaker = state.breaker
             if not breaker.allow(now):
                 continue  # lost the half-open probe to another request since choosing
@@ -271,7 +283,7 @@ class Attempts:
                         refused = ("status", f"{eid} answered {resp.status}")
                         continue
                     failed, report, cut = await self._relay(
-                        resp, ask, send, record, start, sent, join
+                        resp, ask, send, record, start, sent, join, strip
                     )
                 finally:
                     resp.close()
@@ -349,13 +361,17 @@ class Attempts:
         start: float,
         sent: Sent,
         join: Join | None = None,
+        strip: UsageStrip | None = None,
     ) -> tuple[HttpError | None, _surface.CacheReport | None, Join | None]:
         """Pass the answer on. Returns the error to retry with when it broke before any
         byte was sent, the engine's report on the answer, when it gave one, and the
         `Join` to continue with when a stream broke and may be continued elsewhere.
 
         With `join`, this answer continues a stream already begun: the head is not
-        sent again, and the chunks are spliced into the client's stream.
+        sent again, and the chunks are spliced into the client's stream. With
+        `strip`, the usage event was asked for on the client's behalf: what asking
+        added is taken out (llmgw/router/_metering.py). Without, the engine's bytes
+        pass as they came, read for `usage` or llama-server's `timings`.
 
         How the body went is the breaker's too (`broken` or `complete`), counted
         apart from the head's verdict: an engine that answers and then hangs.
@@ -401,7 +417,6 @@ class Attempts:
             join.begin()
         first = True
         tally = join.tally if join is not None else _surface.StreamUsage()
-        strip = _surface.UsageStrip() if ask.strip_usage else None
         while True:
             try:
                 chunk = await resp.next_chunk()
@@ -438,16 +453,14 @@ class Attempts:
             if join is not None:
                 chunk = join.feed(chunk)  # whole events, a continued one made the first's
             seen = chunk
-            if strip is not None:  # whole events only; the usage-only one taken out
+            if strip is not None:  # whole events only; what asking added taken out
                 chunk, removed = strip.feed(chunk)
                 seen = chunk + removed if removed else chunk
-            if b'"usage"' in seen:
+            if b'"usage"' in seen or b'"timings"' in seen:
                 prompt, completion = tally.add(seen)
                 metrics.tokens(model, prompt, completion)
                 record.prompt_tokens = tally.prompt
                 record.completion_tokens = tally.completion
-                report = _surface.cache_report(seen) or report
-            elif b'"timings"' in seen:
                 report = _surface.cache_report(seen) or report
             if resp.done:
                 _tell(breaker, _STREAM, _SUCCEEDED)

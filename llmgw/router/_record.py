@@ -30,12 +30,15 @@ class Ask:
     """An inference request as parsed: what is sent to the engine, and how."""
 
     path: str
-    body: bytes  # as sent on (with the usage chunk asked for when `strip_usage`)
+    body: bytes  # as the client sent it (a traffic split's served name put in)
     content_type: bytes  # what the engine is sent (a form's, with its boundary)
     stream: bool
     prompt: Prompt | None  # None: a route with no prompt (embeddings, audio, ...)
     affinity: str | None  # the affinity header's value, when configured and sent
-    strip_usage: bool  # the router asked for the usage chunk; the client did not
+    # The body that also asks for the stream's usage event, for an engine that says its
+    # tokens only when asked (llmgw/core/_metering.py); None: the client asked itself,
+    # or the route and request have no such event.
+    usage_body: bytes | None
     # A stream's continuation after a cut: whether it may be, and what to extend.
     resume: ResumePlan | None = None
 

@@ -46,6 +46,7 @@ from llmgw.router._config import RouterConfig
 from llmgw.router._explain import EXPLAIN_HEADER, AdminKey, explanation
 from llmgw.router._fleet import Fleet, Model
 from llmgw.router._keys import CachedKeys, KeyStore
+from llmgw.router._metering import ask_usage
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._record import Ask, Prompt, Record
 from llmgw.router._scraper import EndpointState, Scraper
@@ -386,7 +387,7 @@ class Router:
         path = scope["path"]
         content_type = _surface.JSON_CONTENT_TYPE
         prompt: Prompt | None = None
-        strip_usage = False
+        usage_body: bytes | None = None
         resume: ResumePlan | None = None
         if route.body == "form":
             form_type = _header(scope, b"content-type")
@@ -407,11 +408,11 @@ class Router:
                 body = renamed(request)
             prompt = self._prompt(path, request)
             if stream and not explaining:
-                asked = _surface.ask_usage(path, request)
-                if asked is not None:
-                    body, strip_usage = asked, True
-                # What a continuation would extend: the request as the engine gets it.
-                resume = resume_plan(path, json.loads(body) if strip_usage else request)
+                usage_body = ask_usage(path, request)
+                # What a continuation would extend: the request asking for the usage
+                # event (a continued stream is rewritten anyway; its tokens are counted
+                # from that event whichever engine continues it).
+                resume = resume_plan(path, json.loads(usage_body) if usage_body else request)
         affinity = None
         if self._affinity is not None:
             for hname, value in scope["headers"]:
@@ -435,7 +436,7 @@ class Router:
         record.tenant, record.key_id = key.tenant, key.key_id
         if not model.endpoints:
             raise _surface.no_replica(name)
-        ask = Ask(path, body, content_type, stream, prompt, affinity, strip_usage, resume)
+        ask = Ask(path, body, content_type, stream, prompt, affinity, usage_body, resume)
         if _server.EXTENSION in scope.get("extensions", ()):
             # The server cancels this task when the client leaves: no watcher needed.
             try:

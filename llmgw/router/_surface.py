@@ -6,8 +6,8 @@ JSON body's `model`, or the multipart form's `model` field for audio), which
 key header it sent (`Authorization: Bearer` or Anthropic's `x-api-key`), and
 how an error reads on that route (OpenAI's shape, or Anthropic's on
 `/v1/messages`), the token counts a body or a stream reports in each API's
-words, and how a stream's usage chunk is asked for on a client's behalf and
-taken out again (`ask_usage`, `UsageStrip`).
+words (llama-server's `timings` among them); asking a stream for its usage
+event is llmgw/router/_metering.py.
 
 Every inference route is proxied as it is, to the same path on an engine
 serving the model; an engine that does not serve a path answers its own 404
@@ -195,6 +195,32 @@ _PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 
 
+# llama-server's `timings`: the prompt tokens served from its cache and computed, and the
+# tokens generated (server-task.cpp `result_timings::to_json`).
+_CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
+_PROMPT_N_TOKENS = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
+_PREDICTED_N = re.compile(rb'"predicted_n"\s*:\s*(\d+)')
+
+
+def timings_usage(data: bytes) -> tuple[int | None, int | None]:
+    """The prompt and completion token counts in llama-server's `timings` (the last
+    event of every chat stream, asked or not): `cache_n + prompt_n` and `predicted_n`
+    (None: not said; a build without `cache_n` says only the uncached part, so its
+    prompt is not known)."""
+    pos = data.find(b'"timings"')
+    if pos < 0:
+        return None, None
+    cache_n = _CACHE_N.search(data, pos)
+    prompt_n = _PROMPT_N_TOKENS.search(data, pos)
+    predicted = _PREDICTED_N.search(data, pos)
+    return (
+        int(cache_n.group(1)) + int(prompt_n.group(1))
+        if cache_n is not None and prompt_n is not None
+        else None,
+        int(predicted.group(1)) if predicted is not None else None,
+    )
+
+
 def usage(data: bytes) -> tuple[int | None, int | None]:
     """The prompt and completion token counts from the first `"usage"` on: the first
     prompt count and the last completion count (None: not said)."""
@@ -214,7 +240,9 @@ class StreamUsage:
 
     The prompt is counted once. Completion counts in a stream are cumulative
     (Anthropic's message_start says 0 and its message_delta the total; vLLM's
-    continuous usage stats repeat it in every chunk), so each adds what it grew by.
+    continuous usage stats repeat it in every chunk; llama-server's `timings` with
+    `timings_per_token` too), so each adds what it grew by. A chunk with a `usage`
+    is read for it; one without, for llama-server's `timings`.
     """
 
     __slots__ = ("completion", "prompt")
@@ -224,7 +252,10 @@ class StreamUsage:
         self.completion: int | None = None
 
     def add(self, chunk: bytes) -> tuple[int | None, int | None]:
+        """What `chunk` adds: its `usage`, else llama-server's `timings`."""
         prompt, completion = usage(chunk)
+        if prompt is None and completion is None:
+            prompt, completion = timings_usage(chunk)
         if self.prompt is not None:
             prompt = None
         elif prompt is not None:
@@ -235,101 +266,6 @@ class StreamUsage:
             else:
                 completion = None
         return prompt, completion
-
-
-# --- the stream's usage chunk -------------------------------------------------------------
-
-# OpenAI's chat and completions streams carry usage only when the request sets
-# `stream_options.include_usage`; the router counts every answer, so it asks for it.
-USAGE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
-# An event held back while it is incomplete is given up on (passed on as it is) past this.
-MAX_HELD_EVENT_BYTES = 1 << 20
-_EVENT_END = re.compile(rb"(?<=\n\n)|(?<=\r\n\r\n)")
-
-
-def ask_usage(path: str, request: dict[str, Any]) -> bytes | None:
-    """The body to send instead when a streamed request did not ask for its usage chunk
-    (`stream_options.include_usage: true` added); None to send the body as it came.
-
-    A `stream_options` that is not an object is left for the engine to refuse.
-    """
-    if path not in USAGE_ROUTES or request.get("stream") is not True:
-        return None
-    options = request.get("stream_options")
-    if options is None:
-        options = {}
-    elif not isinstance(options, dict):
-        return None
-    if options.get("include_usage") is True:
-        return None
-    asked = {**request, "stream_options": {**options, "include_usage": True}}
-    return json.dumps(asked, separators=(",", ":")).encode()
-
-
-def _usage_only(event: bytes) -> bool:
-    """An SSE event whose data is a chunk with no choices and a usage: the chunk
-    `include_usage` adds (llama.cpp, vLLM and OpenAI send it after the last choice)."""
-    data = b"".join(
-        line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:")
-    )
-    try:
-        chunk = json.loads(data)
-    except ValueError:
-        return False
-    return (
-        isinstance(chunk, dict)
-        and chunk.get("choices") == []
-        and isinstance(chunk.get("usage"), dict)
-    )
-
-
-def _events_end(data: bytes) -> int:
-    """Where the last whole SSE event in `data` ends (0: none ends in it)."""
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-class UsageStrip:
-    """Takes the usage-only event out of a stream whose client did not ask for it.
-
-    Recorded from llama-server (tests/data/llama-server-chat-stream-*.sse): asked,
-    its chat stream ends with a separate `{"choices": [], "usage": ...}` event (and
-    `timings`, its own extension, moves from the last choice's event to that one, so
-    the client loses `timings` with it); `/v1/completions` puts usage in its last
-    choice's event whether asked or not, and that event passes unchanged. Bytes are
-    passed on in whole events (an incomplete one is held until its end arrives); an
-    event is only parsed when it contains `"usage"`.
-    """
-
-    __slots__ = ("_held",)
-
-    def __init__(self) -> None:
-        self._held = b""
-
-    def feed(self, chunk: bytes) -> tuple[bytes, bytes]:
-        """(what the client gets now, the events taken out)."""
-        data = self._held + chunk if self._held else chunk
-        end = _events_end(data)
-        if end == 0:
-            if len(data) > MAX_HELD_EVENT_BYTES:
-                self._held = b""
-                return data, b""
-            self._held = data
-            return b"", b""
-        whole, self._held = data[:end], data[end:]
-        if b'"usage"' not in whole:
-            return whole, b""
-        kept: list[bytes] = []
-        removed: list[bytes] = []
-        for event in _EVENT_END.split(whole):
-            if event:
-                (removed if b'"usage"' in event and _usage_only(event) else kept).append(event)
-        return b"".join(kept), b"".join(removed)
-
-    def end(self) -> bytes:
-        """What is held when the stream ends (an event cut short: passed on as it is)."""
-        held, self._held = self._held, b""
-        return held
 
 
 # --- error bodies -------------------------------------------------------------------------

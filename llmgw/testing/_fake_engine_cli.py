@@ -13,6 +13,7 @@ import argparse
 import functools
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Literal, TypeVar
 
 import attrs
@@ -282,6 +283,9 @@ class Behaviour:
     version: str | None = None
     prefix_cache_tokens: int = 0  # 0: no prefix cache is modelled
     prefill_token_delay: float = 0.0
+    # Recorded streams sent instead of generating (without, and with, the usage event).
+    replay: bytes | None = None
+    replay_usage: bytes | None = None
 
 
 @attrs.frozen
@@ -510,6 +514,26 @@ def _number(
     return value
 
 
+def _recording(env: Mapping[str, str], name: str) -> bytes | None:
+    """The recorded SSE stream the file named by `name` holds (None: not set)."""
+    path = env.get(name)
+    if not path:
+        return None
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise UsageError(
+            f"{name} is {path!r}, which cannot be read ({exc}); it must name "
+            "a recorded SSE stream (tests/data/*.sse)"
+        ) from exc
+    if not data.rstrip().endswith(b"data: [DONE]"):
+        raise UsageError(
+            f"{name} is {path!r}, which does not end with `data: [DONE]`; it "
+            "must be a whole recorded SSE stream (tests/data/*.sse)"
+        )
+    return data
+
+
 def read_behaviour(env: Mapping[str, str]) -> Behaviour:
     """The LLMGW_FAKE_* switches, each checked; a bad value raises UsageError naming it."""
     fail_rate = _number(env, "LLMGW_FAKE_FAIL_RATE", float, 0.0, 0.0)
@@ -542,6 +566,8 @@ def read_behaviour(env: Mapping[str, str]) -> Behaviour:
         version=env.get("LLMGW_FAKE_VERSION") or None,
         prefix_cache_tokens=prefix_cache,
         prefill_token_delay=_number(env, "LLMGW_FAKE_PREFILL_TOKEN_DELAY", float, 0.0, 0.0) or 0.0,
+        replay=_recording(env, "LLMGW_FAKE_REPLAY"),
+        replay_usage=_recording(env, "LLMGW_FAKE_REPLAY_USAGE"),
     )
 
 

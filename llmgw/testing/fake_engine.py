@@ -142,6 +142,12 @@ LLMGW_FAKE_PREFIX_CACHE_TOKENS
     prompt: at least one token is computed), and after its prefill its blocks
     are the most recently used. Blocks shared by several prompts are held
     once; beyond the capacity the least recently used go (at least 16).
+LLMGW_FAKE_REPLAY, LLMGW_FAKE_REPLAY_USAGE
+    Files holding a recorded SSE stream (tests/data/*.sse, ending `data: [DONE]`):
+    a streamed chat or completion that holds a slot is answered with the first's
+    bytes, an event per write, instead of generated tokens, or with the second's
+    when it sets `stream_options.include_usage` (unset: generated as usual). So
+    the router meets an engine's exact bytes, asked for usage and not.
 LLMGW_FAKE_PREFILL_TOKEN_DELAY
     Seconds per uncached prompt token, spent holding a slot before the first
     token, after LLMGW_FAKE_FIRST_TOKEN_DELAY (default 0): time to first token
@@ -469,6 +475,7 @@ class FakeEngine:
         writer = StreamWriter(req, rid, created)
         if req.stream:
             await ex.start_stream("text/event-stream; charset=utf-8")
+        replay = b.replay_usage if req.include_usage else b.replay
         st.waiting += 1
         try:
             await self._slots.acquire()
@@ -492,6 +499,12 @@ class FakeEngine:
             if st.prefix:
                 st.prefix.insert(req.prompt_blocks)
             first_token = trio.current_time()
+            if req.stream and replay is not None:
+                for event in replay.split(b"\n\n")[:-1]:  # an event per write, as engines do
+                    await ex.send_data(event + b"\n\n")
+                await ex.end_stream(b"")
+                done.append(True)
+                return
             pending = writer.role() if req.stream else b""
             for i in range(req.n_tokens):
                 if b.hang_after_tokens is not None and i >= b.hang_after_tokens:

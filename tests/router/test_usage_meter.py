@@ -1,5 +1,6 @@
-"""Usage: the meter (sums, batches, a failing sink), and the usage chunk the router asks
-for and takes out again, on recorded llama-server streams and through a real router."""
+"""Usage: the meter (sums, batches, a failing sink), and streams metered through a real
+router: recorded llama-server and vLLM streams reach a client that asked for no usage
+as the engine sent them, and are counted (the byte-level rewrite: test_metering.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.keys import UsageRow
-from llmgw.router._surface import UsageStrip, ask_usage
 from llmgw.router._types import Endpoint
 from llmgw.router._usage import UsageMeter
 from llmgw.testing.cluster import free_port
@@ -27,7 +27,8 @@ from router.conftest import SECRET_A, SECRET_B, sample, serve_router
 
 ASKED = (FIXTURES / "llama-server-chat-stream-include-usage.sse").read_bytes()
 NOT_ASKED = (FIXTURES / "llama-server-chat-stream-no-usage.sse").read_bytes()
-COMPLETIONS = (FIXTURES / "llama-server-completions-stream-no-usage.sse").read_bytes()
+VLLM_ASKED = (FIXTURES / "vllm-chat-stream-include-usage.sse").read_bytes()
+VLLM_NOT_ASKED = (FIXTURES / "vllm-chat-stream-no-usage.sse").read_bytes()
 HOUR = 3600
 
 
@@ -159,87 +160,20 @@ def test_the_meter_loses_and_invents_nothing(adds: list[Any]) -> None:
     assert all(r.hour % HOUR == 0 for r in rows)
 
 
-# --- asking for the usage chunk --------------------------------------------------------
-
-
-def test_usage_is_asked_only_for_streams_that_did_not_ask() -> None:
-    chat: dict[str, Any] = {"model": "m", "messages": [], "stream": True}
-    asked = ask_usage("/v1/chat/completions", chat)
-    assert asked is not None
-    assert json.loads(asked) == {**chat, "stream_options": {"include_usage": True}}
-    other = {**chat, "stream_options": {"include_usage": False, "x": 1}}
-    assert json.loads(ask_usage("/v1/completions", other) or b"") == {
-        **chat,
-        "stream_options": {"include_usage": True, "x": 1},
-    }
-    yes = {**chat, "stream_options": {"include_usage": True}}
-    assert ask_usage("/v1/chat/completions", yes) is None  # it asked: the body as it came
-    assert ask_usage("/v1/chat/completions", {**chat, "stream": False}) is None
-    assert ask_usage("/v1/messages", chat) is None  # Anthropic's stream always says
-    assert ask_usage("/v1/chat/completions", {**chat, "stream_options": "x"}) is None
-
-
-# --- taking it out again ---------------------------------------------------------------
-
-
 def events(data: bytes) -> list[bytes]:
     return [e for e in data.split(b"\n\n") if e]
-
-
-def expected_without_usage(stream: bytes) -> bytes:
-    kept = [e + b"\n\n" for e in events(stream) if b'"choices":[]' not in e]
-    return b"".join(kept)
-
-
-def strip_all(data: bytes, sizes: Iterable[int]) -> tuple[bytes, bytes]:
-    strip = UsageStrip()
-    out, removed, pos = [], [], 0
-    for n in sizes:
-        o, r = strip.feed(data[pos : pos + n])
-        out.append(o)
-        removed.append(r)
-        pos += n
-    o, r = strip.feed(data[pos:])
-    return b"".join(out) + o + strip.end(), b"".join(removed) + r
-
-
-def test_the_recorded_usage_chunk_is_the_only_event_taken_out() -> None:
-    out, removed = strip_all(ASKED, [])
-    assert out == expected_without_usage(ASKED)
-    assert len(events(ASKED)) - len(events(out)) == 1
-    assert json.loads(removed.removeprefix(b"data: "))["usage"] == {
-        "completion_tokens": 3,
-        "prompt_tokens": 25,
-        "total_tokens": 28,
-        "prompt_tokens_details": {"cached_tokens": 24},
-    }
-    assert out.endswith(b"data: [DONE]\n\n")
-    # A stream that carries usage in a choice's event (llama-server's completions) and
-    # one with no usage pass through unchanged.
-    assert strip_all(COMPLETIONS, []) == (COMPLETIONS, b"")
-    assert strip_all(NOT_ASKED, []) == (NOT_ASKED, b"")
-
-
-@given(st.data())
-def test_the_strip_is_the_same_however_the_stream_is_cut(data: st.DataObject) -> None:
-    stream = data.draw(st.sampled_from([ASKED, COMPLETIONS, ASKED.replace(b"\n\n", b"\r\n\r\n")]))
-    sizes = data.draw(st.lists(st.integers(0, 300), max_size=40))
-    assert strip_all(stream, sizes) == strip_all(stream, [])
-
-
-def test_the_strip_fed_byte_by_byte() -> None:
-    assert strip_all(ASKED, [1] * len(ASKED)) == strip_all(ASKED, [])
 
 
 # --- through the router ----------------------------------------------------------------
 
 
 class Replay:
-    """An engine that answers every streamed chat with a recorded llama-server stream:
-    the one with a usage chunk when the request asks for it, else the one without."""
+    """An engine that answers every streamed chat with a recorded stream: the one with
+    the usage event when the request asks for it, else the one without."""
 
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
+    def __init__(self, asked: bytes, not_asked: bytes) -> None:
+        self.recordings = {True: asked, False: not_asked}
+        self.bodies: list[bytes] = []
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -258,20 +192,18 @@ class Replay:
             await send({"type": "http.response.start", "status": 404, "headers": []})
             await send({"type": "http.response.body", "body": b""})
             return
-        request = json.loads(body)
-        self.bodies.append(request)
-        asked = (request.get("stream_options") or {}).get("include_usage") is True
-        stream = ASKED if asked else NOT_ASKED
+        self.bodies.append(body)
+        asked = (json.loads(body).get("stream_options") or {}).get("include_usage") is True
         headers = [(b"content-type", b"text/event-stream")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        for event in events(stream):  # an event per write, as llama-server sends them
+        for event in events(self.recordings[asked]):  # an event per write, as engines do
             await send({"type": "http.response.body", "body": event + b"\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
 
 @asynccontextmanager
-async def replay_engine() -> AsyncIterator[tuple[Replay, int]]:
-    app = Replay()
+async def replay_engine(asked: bytes, not_asked: bytes) -> AsyncIterator[tuple[Replay, int]]:
+    app = Replay(asked, not_asked)
     port = free_port()
     config = hypercorn.config.Config()
     config.bind = [f"127.0.0.1:{port}"]
@@ -293,45 +225,76 @@ def chat(**extra: Any) -> dict[str, Any]:
     }
 
 
-async def test_a_client_that_did_not_ask_gets_no_usage_chunk_and_one_that_did_gets_it() -> None:
-    async with replay_engine() as (engine, port):
-        endpoint = Endpoint("tiny@replay", "tiny", "llama-server", "127.0.0.1", port, None)
+async def metered(
+    engine_name: str, asked: bytes, not_asked: bytes, want: tuple[int, int]
+) -> tuple[Replay, httpx.Response, httpx.Response]:
+    """A client that asks for no usage and one that does, through a router to a replay
+    of `engine_name`'s recordings; both counted as `want` (prompt, completion)."""
+    async with replay_engine(asked, not_asked) as (engine, port):
+        endpoint = Endpoint("tiny@replay", "tiny", engine_name, "127.0.0.1", port, None)
         async with (
             serve_router([endpoint], run=False) as r,
             httpx.AsyncClient(timeout=30) as h,
         ):
             url = r.base_url + "/chat/completions"
-            auth_a = {"Authorization": f"Bearer {SECRET_A}"}
-            auth_b = {"Authorization": f"Bearer {SECRET_B}"}
-            plain = await h.post(url, headers=auth_a, json=chat())
-            asked = await h.post(
-                url, headers=auth_b, json=chat(stream_options={"include_usage": True})
+            body = json.dumps(chat(), separators=(",", ":")).encode()
+            plain = await h.post(
+                url,
+                headers={"Authorization": f"Bearer {SECRET_A}", "content-type": "application/json"},
+                content=body,
             )
-            # The router asked the engine both times...
-            assert [b["stream_options"] for b in engine.bodies] == [{"include_usage": True}] * 2
-            assert "stream_options" not in chat()
-            # ...and the client that did not ask sees the stream without that event;
-            assert plain.status_code == 200
-            assert plain.content == expected_without_usage(ASKED)
-            assert b'"usage"' not in plain.content
-            # the client that asked gets the engine's bytes as they were.
-            assert asked.status_code == 200
-            assert asked.content == ASKED
-            # Both answers are counted from the engine's usage chunk (once each has ended).
+            asking = await h.post(
+                url,
+                headers={"Authorization": f"Bearer {SECRET_B}"},
+                json=chat(stream_options={"include_usage": True}),
+            )
+            # Both answers are counted (once each has ended).
             with trio.fail_after(10):
                 while sum(x.requests for x in r.router.meter.pending()) < 2:
                     await trio.sleep(0.01)
             rows = r.router.meter.pending()
             assert [(x.tenant, x.requests, x.prompt_tokens, x.completion_tokens) for x in rows] == [
-                ("tenant-a", 1, 25, 3),
-                ("tenant-b", 1, 25, 3),
+                ("tenant-a", 1, *want),
+                ("tenant-b", 1, *want),
             ]
             text = r.metrics_text()
-            assert sample(text, "llmgw_tenant_tokens_total", tenant="tenant-a", kind="prompt") == 25
             assert (
-                sample(text, "llmgw_tenant_tokens_total", tenant="tenant-a", kind="completion") == 3
+                sample(text, "llmgw_tenant_tokens_total", tenant="tenant-a", kind="prompt")
+                == (want[0])
+            )
+            assert (
+                sample(text, "llmgw_tenant_tokens_total", tenant="tenant-a", kind="completion")
+                == want[1]
             )
             assert sample(text, "llmgw_tenant_requests_total", tenant="tenant-b") == 1
+            return engine, plain, asking
+
+
+async def test_llama_server_is_not_asked_and_its_stream_reaches_the_client_as_sent() -> None:
+    engine, plain, asking = await metered("llama-server", ASKED, NOT_ASKED, (25, 3))
+    # The engine got the client's own bytes (nothing asked on its behalf)...
+    assert engine.bodies[0] == json.dumps(chat(), separators=(",", ":")).encode()
+    assert [json.loads(b).get("stream_options") for b in engine.bodies] == [
+        None,
+        {"include_usage": True},
+    ]
+    # ...so the client that asked for nothing gets the engine's bytes, `timings` and
+    # all, and is counted from them (cache_n + prompt_n, predicted_n); the client that
+    # asked gets its usage event as the engine sent it.
+    assert plain.status_code == 200 and plain.content == NOT_ASKED
+    assert b'"timings":{"cache_n":0,"prompt_n":25' in plain.content
+    assert asking.status_code == 200 and asking.content == ASKED
+
+
+async def test_vllm_is_asked_and_exactly_what_asking_added_is_taken_out() -> None:
+    engine, plain, asking = await metered("vllm", VLLM_ASKED, VLLM_NOT_ASKED, (20, 6))
+    # vLLM says its tokens only when asked: the router asked for the client...
+    assert [json.loads(b)["stream_options"] for b in engine.bodies] == [{"include_usage": True}] * 2
+    # ...and the client gets the bytes vLLM sends unasked: no usage event, and none of
+    # the `"usage":null` members asking put into every chunk.
+    assert plain.status_code == 200 and plain.content == VLLM_NOT_ASKED
+    assert b'"usage"' not in plain.content
+    assert asking.status_code == 200 and asking.content == VLLM_ASKED
 
 
 # --- the router's flush ----------------------------------------------------------------

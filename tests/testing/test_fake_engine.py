@@ -490,6 +490,31 @@ async def test_completions_stream_without_usage() -> None:
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_replay_sends_the_recorded_stream_asked_and_not(tmp_path: Path) -> None:
+    from helpers import FIXTURES
+
+    plain = FIXTURES / "vllm-chat-stream-no-usage.sse"
+    asked = FIXTURES / "vllm-chat-stream-include-usage.sse"
+    env = {"LLMGW_FAKE_REPLAY": str(plain), "LLMGW_FAKE_REPLAY_USAGE": str(asked)}
+    async with engine("serve", "m", env=env) as e:
+        body: dict[str, object] = {"model": "m", "stream": True}
+        body["messages"] = [{"role": "user", "content": "hi"}]
+        got = await e.client.post(e.url + "/v1/chat/completions", json=body)
+        assert got.status_code == 200 and got.content == plain.read_bytes()
+        body["stream_options"] = {"include_usage": True}
+        got = await e.client.post(e.url + "/v1/completions", json={**body, "prompt": "x"})
+        assert got.status_code == 200 and got.content == asked.read_bytes()
+        # A whole answer is generated as usual.
+        whole = await e.client.post(e.url + "/v1/chat/completions", json={**body, "stream": False})
+        assert whole.json()["choices"][0]["message"]["content"].startswith("tok0")
+        await e.wait_stats(completed=3, in_flight=0)
+    (tmp_path / "cut.sse").write_bytes(plain.read_bytes()[:-20])
+    for value, problem in ((tmp_path / "none.sse", "cannot be read"),
+                           (tmp_path / "cut.sse", "does not end with `data: \\[DONE\\]`")):  # fmt: skip
+        with pytest.raises(UsageError, match=problem):
+            read_behaviour({"LLMGW_FAKE_REPLAY_USAGE": str(value)})
+
+
 async def test_embeddings_are_deterministic_unit_vectors() -> None:
     async with engine("serve", "m", env={"LLMGW_FAKE_EMBED_DIM": "8"}) as e:
         one = (await e.post("/v1/embeddings", {"model": "m", "input": "hello world"})).json()
