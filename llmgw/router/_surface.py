@@ -671,6 +671,8 @@ def cache_report(data: bytes) -> CacheReport | None:
         return None
     start = min(p for p in (pos, tpos) if p >= 0)
     prompt, completion = usage(data) if pos >= 0 else (None, None)
+    if prompt is None and completion is None and tpos >= 0:
+        prompt, completion = timings_usage(data)  # llama-server's stream, not asked for usage
     cached = _CACHED_TOKENS.search(data, start)
     ppt = _PROMPT_PER_TOKEN.search(data, start)
     opt = _OUTPUT_PER_TOKEN.search(data, start)

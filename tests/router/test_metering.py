@@ -16,7 +16,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from llmgw.router._metering import UsageStrip, ask_usage, strip_events
-from llmgw.router._surface import StreamUsage, timings_usage
+from llmgw.router._surface import StreamUsage, cache_report, timings_usage
 
 VLLM_ASKED = (FIXTURES / "vllm-chat-stream-include-usage.sse").read_bytes()
 VLLM_NOT_ASKED = (FIXTURES / "vllm-chat-stream-no-usage.sse").read_bytes()
@@ -193,6 +193,11 @@ def test_llama_servers_unasked_stream_is_counted_from_its_timings() -> None:
     assert (asked_usage["prompt_tokens"], asked_usage["completion_tokens"]) == (25, 3)
     # A chunk with usage is read for it, not its timings (they agree when both are there).
     assert timings_usage(LLAMA_ASKED) == (24 + 1, 3)
+    # The engine's report (what the estimates learn from) has the same counts.
+    report = cache_report(LLAMA_NOT_ASKED)
+    assert report is not None
+    assert (report.prompt_tokens, report.cached_tokens, report.completion_tokens) == (25, 0, 3)
+    assert report.prompt_n == 25 and report.prompt_ms_per_token is not None
     # A build without cache_n says only the uncached prompt: the prompt is not known.
     assert timings_usage(b'{"timings":{"prompt_n":4,"predicted_n":2}}') == (None, 2)
     assert timings_usage(b'{"choices":[]}') == (None, None)

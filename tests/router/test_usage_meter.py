@@ -227,7 +227,7 @@ def chat(**extra: Any) -> dict[str, Any]:
 
 async def metered(
     engine_name: str, asked: bytes, not_asked: bytes, want: tuple[int, int]
-) -> tuple[Replay, httpx.Response, httpx.Response]:
+) -> tuple[Replay, httpx.Response, httpx.Response, float | None]:
     """A client that asks for no usage and one that does, through a router to a replay
     of `engine_name`'s recordings; both counted as `want` (prompt, completion)."""
     async with replay_engine(asked, not_asked) as (engine, port):
@@ -243,6 +243,11 @@ async def metered(
                 headers={"Authorization": f"Bearer {SECRET_A}", "content-type": "application/json"},
                 content=body,
             )
+            # What the unasked answer alone taught the model's estimates (its length).
+            with trio.fail_after(10):
+                while not r.router.meter.pending():
+                    await trio.sleep(0.01)
+            learned = r.router.fleet.models()["tiny"].estimates.output_tokens
             asking = await h.post(
                 url,
                 headers={"Authorization": f"Bearer {SECRET_B}"},
@@ -267,11 +272,12 @@ async def metered(
                 == want[1]
             )
             assert sample(text, "llmgw_tenant_requests_total", tenant="tenant-b") == 1
-            return engine, plain, asking
+            return engine, plain, asking, learned
 
 
 async def test_llama_server_is_not_asked_and_its_stream_reaches_the_client_as_sent() -> None:
-    engine, plain, asking = await metered("llama-server", ASKED, NOT_ASKED, (25, 3))
+    engine, plain, asking, learned = await metered("llama-server", ASKED, NOT_ASKED, (25, 3))
+    assert learned == 3.0
     # The engine got the client's own bytes (nothing asked on its behalf)...
     assert engine.bodies[0] == json.dumps(chat(), separators=(",", ":")).encode()
     assert [json.loads(b).get("stream_options") for b in engine.bodies] == [
@@ -287,7 +293,8 @@ async def test_llama_server_is_not_asked_and_its_stream_reaches_the_client_as_se
 
 
 async def test_vllm_is_asked_and_exactly_what_asking_added_is_taken_out() -> None:
-    engine, plain, asking = await metered("vllm", VLLM_ASKED, VLLM_NOT_ASKED, (20, 6))
+    engine, plain, asking, learned = await metered("vllm", VLLM_ASKED, VLLM_NOT_ASKED, (20, 6))
+    assert learned == 6.0
     # vLLM says its tokens only when asked: the router asked for the client...
     assert [json.loads(b)["stream_options"] for b in engine.bodies] == [{"include_usage": True}] * 2
     # ...and the client gets the bytes vLLM sends unasked: no usage event, and none of
