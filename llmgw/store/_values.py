@@ -79,13 +79,14 @@ class StoreDump:
     usage: tuple[tuple[Any, ...], ...]
     epoch: int  # the lease's: agents refuse a leader below the highest they saw
     rollouts: tuple[tuple[Any, ...], ...] = ()  # (model, body, at)
+    events: tuple[tuple[Any, ...], ...] = ()  # (at, body), oldest first
 
     def describe(self) -> str:
         return (
             f"{len(self.accounts)} accounts, {len(self.keys)} API keys, "
             f"{len(self.overrides)} node overrides, {len(self.known_nodes)} known nodes, "
             f"{len(self.audit)} audit entries, {len(self.usage)} usage rows, "
-            f"{len(self.rollouts)} rollouts, epoch {self.epoch}"
+            f"{len(self.rollouts)} rollouts, {len(self.events)} events, epoch {self.epoch}"
         )
 
 
