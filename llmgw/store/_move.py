@@ -13,8 +13,8 @@ import logging
 from llmgw.errors import UsageError
 from llmgw.store._accounts import INSERT_ACCOUNT, INSERT_KEY, KEY_COLUMNS
 from llmgw.store._backends import Exec
-from llmgw.store._nodes import UPSERT_KNOWN, UPSERT_OVERRIDE
 from llmgw.store._events import ADD_EVENT
+from llmgw.store._nodes import UPSERT_KNOWN, UPSERT_OVERRIDE
 from llmgw.store._rollouts import UPSERT_ROLLOUT
 from llmgw.store._runner import Runner
 from llmgw.store._usage import ADD_USAGE

@@ -10,8 +10,9 @@ the registry's handlers and the reconciler only append to the log in memory.
 A write that fails (the store down, slow or frozen: every call is bounded by the
 store's own timeout) leaves the events in the log, shown as before, and still to be
 written; it is tried again after a backoff that doubles from `retry_min_s` to
-`retry_max_s`. Up to `keep` events wait (EventLog's `unsaved` bound): more than the
-store would keep anyway, so an outage loses none the store would have held.
+`retry_max_s`. Up to EventLog's `unsaved` bound (10,000) wait; past it the oldest
+go, counted (`unsaved_dropped`): at the default `events_kept` that is what the store
+would keep anyway, so an outage loses none the store would have held.
 
 `reload()` (the election's) asks the task to read the store's newest `keep` events and
 rebuild the log from them (`EventLog.replace`) before it writes again, retried the same
