@@ -5,13 +5,17 @@ read back by another control plane as the one that recorded it held it."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 import trio.lowlevel
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmgw import model
 from llmgw.cp._observe import _event_codec
@@ -20,10 +24,11 @@ from llmgw.cp._observe._events import (
     NODE_STATE,
     REPLICA_STOPPED,
     SHARD_FAILED,
+    Event,
     EventLog,
     Recorded,
 )
-from llmgw.errors import PeerError
+from llmgw.errors import PeerError, UsageError
 from llmgw.store import SqlStore, open_store
 
 KILLED = "engine (pid 4242) was killed by SIGKILL; last output:\n[stderr] CUDA error: out of memory"
@@ -187,12 +192,16 @@ async def test_a_row_that_cannot_be_read_is_skipped_and_named(
     store: SqlStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     good = Recorded(log_with(Clocks()).record(NODE_STATE, "fine"))
-    await store.add_events([(1.0, "{not json"), _event_codec.encode(good)], keep=10)
+    bad_seen = '{"kind":"gpu-fault","message":"m","seen":["gpu","n1","zero","xid",79,"l"]}'
+    rows = [(1.0, "{not json"), (2.0, bad_seen), (3.0, '{"kind":5,"message":"m"}')]
+    await store.add_events([*rows, _event_codec.encode(good)], keep=10)
     fresh = log_with(Clocks())
     keeper = EventKeeper(fresh, store, keep=10)
     await keeper.load()
-    assert [e.message for e in fresh.events()] == ["fine"] and keeper.unreadable == 1
+    assert [e.message for e in fresh.events()] == ["fine"] and keeper.unreadable == 3
     assert "stored event 1: not JSON" in caplog.text
+    assert "stored event 2: seen: expected" in caplog.text and "'zero'" in caplog.text
+    assert "stored event 3: kind: expected text, got 5" in caplog.text
 
 
 async def test_reload_is_retried_until_the_store_answers(
@@ -214,3 +223,64 @@ async def test_reload_is_retried_until_the_store_answers(
         await trio.sleep(5)
         assert [e.message for e in log.events()] == ["before the failover"]
         nursery.cancel_scope.cancel()
+
+
+_text = st.text(max_size=20)
+_opt = st.none() | _text
+_seen = (
+    st.none()
+    | st.tuples(st.just("shard"), _text, _text, _text, _opt)
+    | st.tuples(
+        st.just("gpu"), _text, st.integers(0, 64), _text, st.none() | st.integers(0, 200), _text
+    )
+)
+
+
+@given(
+    st.builds(
+        Recorded,
+        st.builds(
+            Event,
+            seq=st.integers(1, 10**9),
+            at=st.floats(0, 4e9),
+            kind=_text,
+            message=_text,
+            node_id=_opt,
+            replica_id=_opt,
+            model_name=_opt,
+            shard_id=_opt,
+            lines=st.lists(_text, max_size=3).map(tuple),
+        ),
+        failure=_opt,
+        strong=st.booleans(),
+        seen=_seen,
+    )
+)
+def test_a_stored_event_reads_back_as_it_was_written(rec: Recorded) -> None:
+    at, body = _event_codec.encode(rec)
+    back = _event_codec.decode(rec.event.seq, at, body)
+    want = rec if rec.failure is not None else attrs.evolve(rec, strong=False)
+    assert back == want
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@given(st.dictionaries(st.sampled_from(["kind", "message", "node", "lines", "seen", "failure",
+                                        "strong", "replica"]), _json) | _json)  # fmt: skip
+def test_any_stored_body_is_read_or_refused_with_our_error(body: object) -> None:
+    """Parse or raise UsageError: a row another llmgw wrote never stops a load."""
+    try:
+        rec = _event_codec.decode(7, 1.0, json.dumps(body))
+    except UsageError as exc:
+        assert str(exc).startswith("stored event 7: ")
+        return
+    log = log_with(Clocks())
+    log.replace([rec])  # and replaying it never raises either
+    assert len(log.events()) == 1

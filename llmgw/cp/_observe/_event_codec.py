@@ -48,6 +48,32 @@ def _text(body: dict[str, Any], name: str, seq: int, *, optional: bool = True) -
     return value
 
 
+def _seen_shape(seen: Any) -> bool:
+    """Whether `seen` is one of the two shapes `Recorded.seen` takes."""
+    if not isinstance(seen, list) or not seen:
+        return False
+
+    def text(x: Any) -> bool:
+        return isinstance(x, str)
+
+    def whole(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if seen[0] == "shard" and len(seen) == 5:
+        _, node, shard, state, reason = seen
+        return text(node) and text(shard) and text(state) and (reason is None or text(reason))
+    if seen[0] == "gpu" and len(seen) == 6:
+        _, node, index, kind, xid, line = seen
+        return (
+            text(node)
+            and whole(index)
+            and text(kind)
+            and (xid is None or whole(xid))
+            and (text(line))
+        )
+    return False
+
+
 def decode(seq: int, at: float, body_json: str) -> Recorded:
     """The store's row `seq` as a `Recorded` (its `seq` is the store's; the log
     renumbers it on `replace`)."""
@@ -61,10 +87,11 @@ def decode(seq: int, at: float, body_json: str) -> Recorded:
     if not isinstance(lines, list) or not all(isinstance(x, str) for x in lines):
         raise UsageError(f"stored event {seq}: lines: expected a list of text, got {lines!r:.60}")
     seen = body.get("seen")
-    if seen is not None and (
-        not isinstance(seen, list) or not all(x is None or isinstance(x, (str, int)) for x in seen)
-    ):
-        raise UsageError(f"stored event {seq}: seen: expected a list, got {seen!r:.60}")
+    if seen is not None and not _seen_shape(seen):
+        raise UsageError(
+            f'stored event {seq}: seen: expected ["shard", node, shard, state, reason] or '
+            f'["gpu", node, index, kind, xid, line], got {seen!r:.80}'
+        )
     event = Event(
         seq=seq,
         at=float(at),
