@@ -266,6 +266,9 @@ class ServerConfig:
     # The leader's lease on the store, renewed every third of it; a standby takes over once
     # it has lapsed (llmgw.cp._fleet._leader).
     lease_s: float = attrs.field(default=10.0, validator=between(1, 600))
+    # The event log (`ctl events`) as the store keeps it: its newest this many events
+    # (llmgw/cp/_observe/_event_keeper.py).
+    events_kept: int = attrs.field(default=10_000, validator=between(100, 1_000_000))
     # The RPC address agents dial to reach this control plane, as a standby names it to
     # them; null: rpc_listen's port on this machine's name (its FQDN) when rpc_listen's
     # host is a wildcard, else rpc_listen itself.

@@ -43,11 +43,13 @@ from llmgw.cp._fleet._retiring import Retiring
 from llmgw.cp._fleet._rollouts import Rollouts
 from llmgw.cp._fleet._wake import Wakeup
 from llmgw.cp._legacy import import_legacy
+from llmgw.cp._observe._event_keeper import EventKeeper
 from llmgw.cp._observe._history import History
-from llmgw.cp._pages import api_client, make_pages
+from llmgw.cp._pages import Sessions, api_client, make_pages
 from llmgw.cp._weights._mirror import ManifestCache, serve_mirror
 from llmgw.cp._weights._sizes import SourceSizes
 from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
+from llmgw.errors import LlmgwError
 from llmgw.router import (
     Router,
     RouterConfig,
@@ -112,6 +114,9 @@ async def run(
             mirror_port=mirror_port,
         )
         await nursery.start(cp.registry.run)
+        # Off every request path: events and page sessions go to the store from here.
+        await nursery.start(cp.events.run)
+        nursery.start_soon(cp.sessions.writer)
         await nursery.start(cp.reconciler.run)
         # Before the RPC listener: alone on its store, this control plane leads before
         # the first agent dials, so none is refused at start.
@@ -171,6 +176,8 @@ class ControlPlane:
     hub: WorkerHub | None
     workers: int
     admin: AdminApp
+    events: EventKeeper  # the event log's writer to the store, and its reader
+    sessions: Sessions  # the admin pages' logins, kept in the store
     catalog_changed: Callable[[], None]  # what a catalog reload that changed it pokes
 
 
@@ -199,6 +206,8 @@ async def assemble(
     async def elected(epoch: int) -> None:
         await registry.load_state(store)  # the other control plane may have changed them
         await rollouts.load(store)  # and rolled models: this one continues
+        events.reload()  # and recorded what happened: read behind, never waited for
+        history.took_over()  # the nodes' hour so far is the other's: the page says so
         registry.lead(epoch)
         reconciler.elected()  # the settle counts from now
 
@@ -243,6 +252,14 @@ async def assemble(
         history=history,
     )
     await registry.load_state(store)  # overrides, and the known nodes a restart waits for
+    # The event log as the store keeps it (what happened before this start, or before a
+    # failover: llmgw/cp/_observe/_event_keeper.py); read now, and again when elected.
+    events = EventKeeper(registry.events, store, keep=cfg.events_kept)
+    try:
+        await events.load()
+    except LlmgwError as exc:
+        log.warning("events: cannot read them from the store (read again behind): %s", exc)
+        events.reload()
     rollouts = Rollouts()  # the endpoint list names what it pins, the reconciler rolls
     await rollouts.load(store)
     log.info("engines: %s", _engines.describe(catalog.engines))
@@ -330,6 +347,7 @@ async def assemble(
         LeaderCollector(leadership, lambda: registry.commands_refused_stale)
     )
     mirror_dir = cfg.mirror.dir
+    sessions = Sessions(store)  # a login here holds on every control plane of the store
     admin = AdminApp(
         registry,
         admin_key,
@@ -341,7 +359,9 @@ async def assemble(
         store=store,
         bands={b.name: b.rank for b in router.config.bands},
         leadership=leadership,
-        pages=lambda app: make_pages(api_client(app, admin_key), admin_key, mirror_dir=mirror_dir),
+        pages=lambda app: make_pages(
+            api_client(app, admin_key), admin_key, mirror_dir=mirror_dir, sessions=sessions
+        ),
     )
     return ControlPlane(
         registry=registry,
@@ -354,6 +374,8 @@ async def assemble(
         hub=hub,
         workers=workers,
         admin=admin,
+        events=events,
+        sessions=sessions,
         catalog_changed=catalog_changed,
     )
 

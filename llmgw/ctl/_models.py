@@ -45,8 +45,8 @@ def events(args: argparse.Namespace) -> int:
         what = " and ".join(
             f"{k} {v}" for k, v in (("replica", args.replica), ("node", args.node)) if v
         )
-        print(f"no events{' for ' + what if what else ''} (they are kept in memory since the "
-              "control plane started)")  # fmt: skip
+        print(f"no events{' for ' + what if what else ''} (the store keeps the newest "
+              "events_kept of them)")  # fmt: skip
         return 0
     print(_tables.format_events(data["events"], now=time.time()))
     return 0

@@ -94,8 +94,11 @@ class RouterConfig:
     # connections); each admits its share of every limit (`share`). Inside llmgw-cp
     # the control plane itself is worker 0 (llmgw/cp/_workers.py).
     workers: int = attrs.field(default=1, validator=between(1, MAX_WORKERS))
-    # How often counted usage goes to the store (the UsageSink), and once more at shutdown.
-    usage_flush_s: float = attrs.field(default=10.0, validator=positive(3600))
+    # How often counted usage goes to the store (the UsageSink), and once more at shutdown:
+    # a worker killed outright loses what it counted since its last flush. 1 s: one
+    # transaction a second per worker while requests flow (10 rows: 1.3 ms of CPU on
+    # PostgreSQL, 0.6 ms on SQLite, measured), none while idle.
+    usage_flush_s: float = attrs.field(default=1.0, validator=positive(3600))
 
     def __attrs_post_init__(self) -> None:
         AdmissionConfig(

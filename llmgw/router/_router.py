@@ -227,7 +227,7 @@ class Router:
                 await self.meter.flush(sink)
         except Exception as exc:  # the store is down or slow: keep counting, try again
             stats = self.meter.statistics()
-            log.warning(
+            (log.warning if self.meter.worth_saying() else log.debug)(
                 "usage: could not write %d rows to the store (kept for the next flush "
                 "in %g s; %d requests dropped so far, over %d rows pending): %s",
                 stats["pending"],

@@ -18,6 +18,9 @@ class UsageSink(Protocol):
 HOUR_S = 3600
 MAX_PENDING_ROWS = 100_000
 FLUSH_BATCH_ROWS = 1000
+# A store that stays out: the first failed flush in a row is a warning, then every this
+# many (once a minute at the default usage_flush_s of 1 s); the others are debug lines.
+WARN_EVERY = 60
 
 _Key = tuple[int, str, str, str]  # (hour, tenant, key_id, model)
 
@@ -42,6 +45,7 @@ class UsageMeter:
         self.dropped = 0  # requests whose row found the meter full
         self.flushed = 0  # rows the sink has taken
         self.failures = 0  # flushes the sink failed
+        self.failing = 0  # flushes failed in a row since the last that went through
 
     def __repr__(self) -> str:
         return f"<UsageMeter {len(self._rows)} rows pending, {self.dropped} dropped>"
@@ -79,6 +83,10 @@ class UsageMeter:
         row[2] += completion_tokens or 0
         return True
 
+    def worth_saying(self) -> bool:
+        """Whether the flush that just failed is worth a warning (see WARN_EVERY)."""
+        return self.failing <= 1 or self.failing % WARN_EVERY == 0
+
     def pending(self) -> list[UsageRow]:
         return [UsageRow(*k, *v) for k, v in sorted(self._rows.items())]
 
@@ -108,6 +116,8 @@ class UsageMeter:
                 self.flushed += len(batch)
         except BaseException:
             self.failures += 1
+            self.failing += 1
             self._merge(dict(items[sent:]))
             raise
+        self.failing = 0
         return sent

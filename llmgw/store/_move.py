@@ -13,6 +13,7 @@ import logging
 from llmgw.errors import UsageError
 from llmgw.store._accounts import INSERT_ACCOUNT, INSERT_KEY, KEY_COLUMNS
 from llmgw.store._backends import Exec
+from llmgw.store._events import ADD_EVENT
 from llmgw.store._nodes import UPSERT_KNOWN, UPSERT_OVERRIDE
 from llmgw.store._rollouts import UPSERT_ROLLOUT
 from llmgw.store._runner import Runner
@@ -58,6 +59,8 @@ def _read(run: Exec) -> StoreDump:
         rollouts=tuple(
             tuple(r) for r in run("SELECT model, body, at FROM rollouts ORDER BY model")
         ),
+        # The event log moves with the store; the admin sessions do not (log in again).
+        events=tuple(tuple(r) for r in run("SELECT at, body FROM events ORDER BY seq")),
     )
 
 
@@ -102,6 +105,8 @@ class StoreMove:
                 run(ADD_USAGE, row)
             for row in dump.rollouts:
                 run(UPSERT_ROLLOUT.format(at="?"), row)
+            for row in dump.events:
+                run(ADD_EVENT, row)
             run(
                 "UPDATE lease SET holder = NULL, expires_at = 0,"
                 " epoch = CASE WHEN epoch > ? THEN epoch ELSE ? END WHERE id = 1",

@@ -66,6 +66,14 @@ _SQLITE_MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE rollouts (
         model TEXT PRIMARY KEY, body TEXT NOT NULL, at REAL NOT NULL);
     """,
+    # 4: the event log (llmgw/cp/_observe/_event_keeper.py), newest `events_kept` rows,
+    # and the admin pages' sessions, by the digest of their id (llmgw/cp/_pages/_sessions.py).
+    """
+    CREATE TABLE events (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, body TEXT NOT NULL);
+    CREATE TABLE admin_sessions (
+        sid_sha256 BLOB PRIMARY KEY, expires_at REAL NOT NULL);
+    """,
 )
 _PG_MIGRATIONS: tuple[str, ...] = (
     """
@@ -105,6 +113,14 @@ _PG_MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE rollouts (
         model TEXT PRIMARY KEY, body TEXT NOT NULL, at DOUBLE PRECISION NOT NULL);
+    """,
+    # 4: the event log (llmgw/cp/_observe/_event_keeper.py), newest `events_kept` rows,
+    # and the admin pages' sessions, by the digest of their id (llmgw/cp/_pages/_sessions.py).
+    """
+    CREATE TABLE events (
+        seq BIGSERIAL PRIMARY KEY, at DOUBLE PRECISION NOT NULL, body TEXT NOT NULL);
+    CREATE TABLE admin_sessions (
+        sid_sha256 BYTEA PRIMARY KEY, expires_at DOUBLE PRECISION NOT NULL);
     """,
 )
 _PG_MIGRATE_LOCK = 0x6C6C6D67  # "llmg": the advisory lock that serializes migrations

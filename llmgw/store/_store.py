@@ -11,7 +11,7 @@ newest (llmgw/store/_schema.py) and refuse a newer one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import trio
@@ -21,12 +21,14 @@ from llmgw.keys import ApiKey, UsageRow
 from llmgw.store._accounts import AccountStore
 from llmgw.store._audit import AuditStore
 from llmgw.store._backends import Backend, Postgres, Sqlite
+from llmgw.store._events import EventStore
 from llmgw.store._lease import LeaseStore
 from llmgw.store._move import StoreMove
 from llmgw.store._nodes import NodeStore
 from llmgw.store._rollouts import RolloutStore
 from llmgw.store._runner import Runner
 from llmgw.store._schema import POSTGRES, SQLITE, Schema, migrate
+from llmgw.store._sessions import SessionStore
 from llmgw.store._usage import UsageStore
 from llmgw.store._values import (
     Account,
@@ -55,6 +57,8 @@ class SqlStore:
         self._lease = LeaseStore(runner)
         self._move = StoreMove(runner)
         self._rollouts = RolloutStore(runner)
+        self._events = EventStore(runner)
+        self._sessions = SessionStore(runner)
 
     def __repr__(self) -> str:
         return f"<SqlStore {self.where}, {self.calls} calls>"
@@ -172,6 +176,23 @@ class SqlStore:
 
     async def rollouts(self) -> dict[str, str]:
         return await self._rollouts.rollouts()
+
+    # the control plane's events (_events.py) and the admin pages' sessions (_sessions.py)
+
+    async def add_events(self, rows: Sequence[tuple[float, str]], keep: int) -> None:
+        await self._events.add_events(rows, keep)
+
+    async def recent_events(self, limit: int) -> list[tuple[int, float, str]]:
+        return await self._events.recent_events(limit)
+
+    async def put_admin_session(self, sid_sha256: bytes, expires_at: float, now: float) -> None:
+        await self._sessions.put_admin_session(sid_sha256, expires_at, now)
+
+    async def admin_session(self, sid_sha256: bytes) -> float | None:
+        return await self._sessions.admin_session(sid_sha256)
+
+    async def end_admin_session(self, sid_sha256: bytes) -> bool:
+        return await self._sessions.end_admin_session(sid_sha256)
 
     # audit (_audit.py) and usage (_usage.py)
 

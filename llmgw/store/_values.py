@@ -8,7 +8,7 @@ are the other modules of llmgw/store.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -79,13 +79,14 @@ class StoreDump:
     usage: tuple[tuple[Any, ...], ...]
     epoch: int  # the lease's: agents refuse a leader below the highest they saw
     rollouts: tuple[tuple[Any, ...], ...] = ()  # (model, body, at)
+    events: tuple[tuple[Any, ...], ...] = ()  # (at, body), oldest first
 
     def describe(self) -> str:
         return (
             f"{len(self.accounts)} accounts, {len(self.keys)} API keys, "
             f"{len(self.overrides)} node overrides, {len(self.known_nodes)} known nodes, "
             f"{len(self.audit)} audit entries, {len(self.usage)} usage rows, "
-            f"{len(self.rollouts)} rollouts, epoch {self.epoch}"
+            f"{len(self.rollouts)} rollouts, {len(self.events)} events, epoch {self.epoch}"
         )
 
 
@@ -125,6 +126,11 @@ class Store(Protocol):
     async def put_rollout(self, model: str, body_json: str) -> None: ...
     async def delete_rollout(self, model: str) -> bool: ...
     async def rollouts(self) -> dict[str, str]: ...
+    async def add_events(self, rows: Sequence[tuple[float, str]], keep: int) -> None: ...
+    async def recent_events(self, limit: int) -> list[tuple[int, float, str]]: ...
+    async def put_admin_session(self, sid_sha256: bytes, expires_at: float, now: float) -> None: ...
+    async def admin_session(self, sid_sha256: bytes) -> float | None: ...
+    async def end_admin_session(self, sid_sha256: bytes) -> bool: ...
     async def audit(self, actor: str, action: str, detail: str = "") -> None: ...
     async def recent_audit(self, limit: int = 100) -> list[AuditEntry]: ...
     async def add_usage(self, rows: Iterable[UsageRow]) -> None: ...

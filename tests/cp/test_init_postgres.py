@@ -459,10 +459,12 @@ async def test_a_store_copies_whole_into_an_empty_one(pg_admin: str, tmp_path: P
         await lite.audit("ops", "keys.create", key.key_id)
         await lite.add_usage([UsageRow(7200, "acme", key.key_id, "m", 3, 30, 9)])
         await lite.put_rollout("m", '{"record": null}')
+        await lite.add_events([(1.5, '{"kind": "node-state"}'), (2.5, "{}")], keep=100)
         for _ in range(5):
             await lite.try_acquire("cp-a", 10)  # epoch 5
         dump = await lite.export_rows()
         assert dump.epoch == 5 and [r[:2] for r in dump.rollouts] == [("m", '{"record": null}')]
+        assert dump.events == ((1.5, '{"kind": "node-state"}'), (2.5, "{}"))
         await pg.import_rows(dump)
 
         assert await pg.export_rows() == dump  # every row, digests and times as they were

@@ -8,6 +8,7 @@ drives the same pages in tests/integration (helper P5's).
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from llmgw.cp._fleet._reconciler import Reconciler
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.cp._observe._history import History
 from llmgw.cp._pages import COOKIE, Sessions, api_client, make_pages
-from llmgw.cp._pages._app import MAX_SESSIONS, SESSION_TTL_S
+from llmgw.cp._pages._sessions import MAX_SESSIONS, SESSION_TTL_S
 from llmgw.cp._pages._view import DASH, chart
 from llmgw.router._keys import StoreKeys
 from llmgw.router._main import open_keys_db
@@ -214,19 +215,20 @@ async def test_the_api_still_wants_its_bearer_key_and_the_cookie_is_not_one(flee
         assert r.status_code == 401
 
 
-def test_sessions_expire_and_are_bounded() -> None:
+async def test_sessions_expire_and_are_bounded() -> None:
     now = [0.0]
     store = Sessions(clock=lambda: now[0])
     sid, session = store.create()
-    assert store.get(sid) is session and store.get("other") is None and store.get(None) is None
+    assert await store.get(sid) is session
+    assert await store.get("other") is None and await store.get(None) is None
     now[0] = SESSION_TTL_S - 1
-    assert store.get(sid) is session
+    assert await store.get(sid) is session
     now[0] = SESSION_TTL_S
-    assert store.get(sid) is None and len(store) == 0
+    assert await store.get(sid) is None and len(store) == 0
     first, _ = store.create()
     for _ in range(MAX_SESSIONS):
         store.create()
-    assert len(store) == MAX_SESSIONS and store.get(first) is None  # the oldest went
+    assert len(store) == MAX_SESSIONS and await store.get(first) is None  # the oldest went
 
 
 # --- pages ----------------------------------------------------------------------------
@@ -358,6 +360,57 @@ async def test_the_node_page_draws_its_charts_from_the_history_with_gaps(
         (d,) = re.findall(r'<path class="line" d="([^"]+)"', gpu_util.group(0))
         assert d.count("M") == 2 and d.count("L") == 1
     assert 'data-refresh="/admin/data/nodes/n1"' in html
+
+
+async def test_after_a_failover_the_node_page_says_since_when_it_holds_history(
+    tmp_path: Path, keys: StoreKeys
+) -> None:
+    """The history is in memory: a control plane that took over holds a node's figures
+    only from then on. The page says so, rather than an empty hour that reads as idle;
+    once it holds the whole hour the note goes."""
+    t0 = 1_796_000_000.0  # 2026-11-29 ... UTC; a multiple of 60 s, so HH:MM is exact
+    now = [t0]
+    history = History(clock=lambda: now[0], wall=lambda: now[0])
+    fleet = Fleet(tmp_path, keys, history=history)
+    now[0] += 2 * 3600  # a standby for two hours, then elected
+    history.took_over()
+    took_over = now[0]
+    now[0] += 5  # the agents re-register with it a few seconds later
+    await register(fleet.registry, "n1", inventory=_inventory("n1", cpu=10.0))
+    for _ in range(6):
+        now[0] += history.resolution_s
+        history.record("n1", model.Usage(cpu_util_pct=30.0))
+    shown = time.strftime("%H:%M", time.gmtime(took_over + 5))
+    note = (f"history since {shown} UTC (this control plane took over as leader then); "
+            "before it, nothing was kept here")  # fmt: skip
+    async with fleet.client() as client:
+        await _login(client)
+        r = await client.get("/api/v1/nodes/n1/history", headers={"Authorization": f"Bearer {KEY}"})
+        view = r.json()
+        assert view["since"] == took_over + 5
+        assert view["kept_since"] == {"at": took_over, "why": "took over as leader"}
+        for path in ("/admin/nodes/n1", "/admin/data/nodes/n1"):
+            page = (await client.get(path)).text
+            found = re.search(r'<p class="note" data-field="history-since">([^<]*)</p>', page)
+            assert found is not None and found.group(1) == note, page
+        # A node that first reports long after the takeover: its own start is the reason.
+        now[0] += 600
+        await register(fleet.registry, "n2", inventory=_inventory("n2", cpu=10.0))
+        page = (await client.get("/admin/nodes/n2")).text
+        assert "(the node first reported to this control plane then)" in page
+        # An hour later the whole window is this control plane's: no note.
+        now[0] += 3600
+        history.record("n1", model.Usage(cpu_util_pct=30.0))
+        page = (await client.get("/admin/nodes/n1")).text
+        assert 'data-field="history-since"' not in page
+
+
+def test_an_election_at_start_is_not_a_takeover() -> None:
+    now = [1000.0]
+    history = History(clock=lambda: now[0], wall=lambda: now[0])
+    now[0] += 2  # alone on its store, it leads at once
+    history.took_over()
+    assert history.kept_since == (1000.0, "started")
 
 
 async def test_the_replicas_page_shows_unplaced_models_with_their_reasons(fleet: Fleet) -> None:

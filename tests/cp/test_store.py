@@ -404,3 +404,36 @@ async def test_published_endpoints_are_fenced_by_the_lease(store: SqlStore, wher
     assert not await store.publish_endpoints(3, "{}")  # a future epoch is nobody's
     got = await store.published_endpoints()
     assert got is not None and got[:2] == (2, '{"models": {"big": []}}')
+
+
+async def test_events_keep_the_newest_in_order(store: SqlStore) -> None:
+    """The event log's table holds the newest `keep` rows, oldest first, whatever was
+    written before (retention is applied in the writing transaction)."""
+    await store.add_events([(float(i), f'{{"n":{i}}}') for i in range(8)], keep=5)
+    rows = await store.recent_events(100)
+    assert [(at, body) for _seq, at, body in rows] == [
+        (float(i), f'{{"n":{i}}}') for i in range(3, 8)
+    ]
+    assert [s for s, _, _ in rows] == sorted(s for s, _, _ in rows)
+    await store.add_events([(8.0, '{"n":8}'), (9.0, '{"n":9}')], keep=5)
+    assert [at for _s, at, _b in await store.recent_events(100)] == [5.0, 6.0, 7.0, 8.0, 9.0]
+    assert [at for _s, at, _b in await store.recent_events(2)] == [8.0, 9.0]
+    with pytest.raises(ValueError, match="at least 1"):
+        await store.add_events([(1.0, "{}")], keep=0)
+
+
+async def test_admin_sessions_by_digest_expire_and_end(store: SqlStore, where: str) -> None:
+    sid = b"\x01" * 32
+    assert await store.admin_session(sid) is None
+    await store.put_admin_session(sid, 2000.0, now=1000.0)
+    await store.put_admin_session(b"\x02" * 32, 1500.0, now=1000.0)
+    assert await store.admin_session(sid) == 2000.0
+    # A later write deletes what expired by then.
+    await store.put_admin_session(b"\x03" * 32, 3000.0, now=1600.0)
+    assert await store.admin_session(b"\x02" * 32) is None
+    assert await store.end_admin_session(sid) is True
+    assert await store.admin_session(sid) is None
+    assert await store.end_admin_session(sid) is False
+    with _raw(where) as conn:
+        rows = conn.execute("SELECT sid_sha256, expires_at FROM admin_sessions").fetchall()
+    assert [(bytes(d), e) for d, e in rows] == [(b"\x03" * 32, 3000.0)]

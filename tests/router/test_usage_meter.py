@@ -104,6 +104,25 @@ async def test_a_failed_flush_keeps_its_rows_and_adds_what_came_meanwhile() -> N
     }
 
 
+async def test_a_store_that_stays_out_is_a_warning_the_first_time_then_once_a_minute() -> None:
+    """With a flush a second (usage_flush_s 1), a warning per failure would be 60 a minute."""
+    meter = UsageMeter()
+    meter.add(0.0, "acme", "key-0", "chat", 1, 1)
+    sink = Sink(fail=130)
+    said = []
+    for _ in range(130):
+        with pytest.raises(OSError):
+            await meter.flush(sink)
+        said.append(meter.worth_saying())
+    assert [i + 1 for i, s in enumerate(said) if s] == [1, 60, 120]
+    assert await meter.flush(sink) == 1 and meter.failing == 0
+    sink.fail = 1
+    meter.add(0.0, "acme", "key-0", "chat", 1, 1)
+    with pytest.raises(OSError):
+        await meter.flush(sink)
+    assert meter.worth_saying()  # a new outage is said at once
+
+
 async def test_a_flush_failing_midway_resends_only_what_was_not_taken() -> None:
     meter = UsageMeter(batch_rows=1)
     meter.add(0.0, "acme", "key-0", "chat", 1, 1)

@@ -14,6 +14,13 @@ the wall clock for what is shown). Reading never changes it: every query
 returns frozen values, and expired failures are dropped only when something
 new is recorded.
 
+What it records is also kept in the store, by a writer off the request path
+(llmgw/cp/_observe/_event_keeper.py): each event goes into `unsaved` as a
+`Recorded`, which carries what recording it derived (the replica failure it
+was, the repeat it suppresses), and `replace` rebuilds the log from the
+store's records at start and when this control plane is elected, so `ctl
+events` and "why was this replaced" survive a restart or a failover.
+
 A shard's reason is read by one convention, the supervisor's: its first line
 is the summary (`engine (pid 12) was killed by SIGKILL`), and the lines after
 it are the output that explains it (the engine's last stderr/stdout lines).
@@ -43,6 +50,7 @@ GPU_FAULT = "gpu-fault"
 REPLACED_STATES = core.REPLACED_REPLICA_STATES
 
 DEFAULT_FAILURE_RETENTION_S = 15 * 60.0
+DEFAULT_UNSAVED = 10_000  # events waiting for the store; past it the oldest go (counted)
 LAST_LINES = 10  # output lines kept with a failure
 
 
@@ -57,6 +65,22 @@ class Event:
     model_name: str | None = None
     shard_id: str | None = None
     lines: tuple[str, ...] = ()  # output that explains it (an engine's last lines)
+
+
+# What an event suppresses when it is seen again: ("shard", node, shard, state, reason)
+# or ("gpu", node, index, kind, xid, line or meaning).
+Seen = tuple[str | int | None, ...]
+
+
+@attrs.frozen
+class Recorded:
+    """An event as the store keeps it, with what recording it derived, so that replaying
+    it (`EventLog.replace`) rebuilds the same failures and the same repeat suppression."""
+
+    event: Event
+    failure: str | None = None  # the reason, when it was a replica's failure
+    strong: bool = False  # a shard's own report: it overrides a stop's weaker reason
+    seen: Seen | None = None
 
 
 @attrs.frozen
@@ -114,6 +138,40 @@ class _Rings:
         return len(self._rings)
 
 
+class _Repeats:
+    """What was recorded already, each bounded to `keys` entries (the oldest go): each
+    shard's last failed or unhealthy (state, reason), since a report repeated on a
+    registration or a status message is one event, not two; and the GPU faults, since an
+    agent sends its cards' faults with every sample, and again after a restart (it reads
+    the kernel log from the start)."""
+
+    def __init__(self, keys: int) -> None:
+        self._keys = keys
+        self.shards: OrderedDict[tuple[str, str], tuple[str, str | None]] = OrderedDict()
+        self.faults: OrderedDict[tuple[str, int, str, int | None, str], None] = OrderedDict()
+
+    def shard(self, key: tuple[str, str], state: str, reason: str | None) -> None:
+        self.shards[key] = (state, reason)
+        self.shards.move_to_end(key)
+        while len(self.shards) > self._keys:
+            self.shards.popitem(last=False)
+
+    def fault(self, key: tuple[str, int, str, int | None, str]) -> None:
+        self.faults[key] = None
+        while len(self.faults) > self._keys:
+            self.faults.popitem(last=False)
+
+    def replay(self, seen: Seen) -> None:
+        """A stored event's `seen`, as recording it noted it."""
+        if seen[0] == "shard" and len(seen) == 5:
+            _, node, shard, state, reason = seen
+            self.shard((str(node), str(shard)), str(state), None if reason is None else str(reason))
+        elif seen[0] == "gpu" and len(seen) == 6:
+            _, node, index, kind, xid, line = seen
+            xid_ = None if xid is None else int(xid)
+            self.fault((str(node), int(index or 0), str(kind), xid_, str(line)))
+
+
 class EventLog:
     def __init__(
         self,
@@ -124,6 +182,7 @@ class EventLog:
         per_key: int = 50,
         keys: int = 4096,
         total: int = 2000,
+        unsaved: int = DEFAULT_UNSAVED,
     ) -> None:
         if failure_retention_s <= 0:
             raise ValueError(f"failure_retention_s must be > 0, got {failure_retention_s!r}")
@@ -137,12 +196,13 @@ class EventLog:
         self._failures: OrderedDict[str, _Kept] = OrderedDict()  # replica id -> its last
         self._by_model: dict[str, deque[_Kept]] = {}  # model -> its last few, oldest first
         self._keys = keys
-        # (node, shard) -> (state, reason) last recorded: a report repeated on a
-        # registration or a status message is one event, not two.
-        self._shard_seen: OrderedDict[tuple[str, str], tuple[str, str | None]] = OrderedDict()
-        # GPU faults already recorded: an agent sends its cards' faults with every
-        # sample, and again after a restart (it reads the kernel log from the start).
-        self._faults_seen: OrderedDict[tuple[str, int, str, int | None, str], None] = OrderedDict()
+        # What was recorded already, so that a repeat is not recorded again (_Repeats).
+        self._seen = _Repeats(keys)
+        self._per_key, self._total = per_key, total
+        # Recorded here and not yet in the store, oldest first (the keeper takes them).
+        self._unsaved: deque[Recorded] = deque()
+        self._unsaved_max = unsaved
+        self.unsaved_dropped = 0  # recorded while the store was out and the queue full
 
     def __repr__(self) -> str:
         return f"<EventLog {self.statistics()}>"
@@ -153,6 +213,8 @@ class EventLog:
             "replicas": len(self._by_replica),
             "nodes": len(self._by_node),
             "failures": len(self._failures),
+            "unsaved": len(self._unsaved),
+            "unsaved_dropped": self.unsaved_dropped,
         }
 
     # feeding ----------------------------------------------------------------------------
@@ -169,9 +231,27 @@ class EventLog:
         lines: Iterable[str] = (),
     ) -> Event:
         """Any event; the typed helpers below are the usual way in."""
+        event = self._add(kind, message, node_id=node_id, replica_id=replica_id,
+                          model_name=model_name, shard_id=shard_id, lines=lines)  # fmt: skip
+        self._journal(Recorded(event))
+        return event
+
+    def _add(
+        self,
+        kind: str,
+        message: str,
+        *,
+        node_id: str | None = None,
+        replica_id: str | None = None,
+        model_name: str | None = None,
+        shard_id: str | None = None,
+        lines: Iterable[str] = (),
+        at: float | None = None,
+    ) -> Event:
+        """A new event, into the rings; not yet in `unsaved` (`_journal` does that)."""
         event = Event(
             seq=next(self._seq),
-            at=self._wall(),
+            at=self._wall() if at is None else at,
             kind=kind,
             message=message,
             node_id=node_id,
@@ -187,20 +267,24 @@ class EventLog:
             self._by_node.add(node_id, event)
         return event
 
+    def _journal(self, recorded: Recorded) -> None:
+        self._unsaved.append(recorded)
+        while len(self._unsaved) > self._unsaved_max:
+            self._unsaved.popleft()
+            self.unsaved_dropped += 1
+
     def shard_report(self, node_id: str, shard: model.ShardReport) -> Event | None:
         """A shard report from an agent; only `failed` and `unhealthy` are events."""
         key = (node_id, shard.shard_id)
         if shard.state not in (model.ShardState.FAILED, model.ShardState.UNHEALTHY):
-            self._shard_seen.pop(key, None)  # recovered or restarted: a new failure is news
+            self._seen.shards.pop(key, None)  # recovered or restarted: a new failure is news
             return None
-        if self._shard_seen.get(key) == (shard.state, shard.reason):
+        if self._seen.shards.get(key) == (shard.state, shard.reason):
             return None
-        self._shard_seen[key] = (shard.state, shard.reason)
-        while len(self._shard_seen) > self._keys:
-            self._shard_seen.popitem(last=False)
+        self._seen.shard(key, shard.state, shard.reason)
         reason, lines = split_reason(shard.reason)
         kind = SHARD_FAILED if shard.state == model.ShardState.FAILED else SHARD_UNHEALTHY
-        event = self.record(
+        event = self._add(
             kind,
             f"shard {shard.shard_id} {shard.state}: {reason}",
             node_id=node_id,
@@ -209,8 +293,11 @@ class EventLog:
             shard_id=shard.shard_id,
             lines=lines,
         )
-        if shard.replica_id is not None:
+        failed = shard.replica_id is not None
+        if failed:
             self._fail(event, reason, strong=True)
+        seen = ("shard", node_id, shard.shard_id, str(shard.state), shard.reason)
+        self._journal(Recorded(event, reason if failed else None, True, seen))
         return event
 
     def replica_stopped(
@@ -231,7 +318,7 @@ class EventLog:
         # The summary only: the output in a stop's reason is the failed shard's,
         # already on that shard's own event.
         summary, _ = split_reason(reason)
-        event = self.record(
+        event = self._add(
             REPLICA_STOPPED,
             f"stopping shard {shard_id}: {summary}",
             node_id=node_id,
@@ -239,8 +326,10 @@ class EventLog:
             model_name=model_name,
             shard_id=shard_id,
         )
-        if replica_id is not None and state in REPLACED_STATES:
+        failed = replica_id is not None and state in REPLACED_STATES
+        if failed:
             self._fail(event, summary, strong=False)
+        self._journal(Recorded(event, summary if failed else None))
         return event
 
     def node_state(
@@ -262,7 +351,7 @@ class EventLog:
         )
         if after == core.NodeState.LOST:
             for replica_id, model_name, shard_id in replicas:
-                lost = self.record(
+                lost = self._add(
                     NODE_STATE,
                     f"replica {replica_id} lost with node {node_id}{why}",
                     node_id=node_id,
@@ -271,6 +360,7 @@ class EventLog:
                     shard_id=shard_id,
                 )
                 self._fail(lost, f"node {node_id} is lost{why}", strong=False)
+                self._journal(Recorded(lost, f"node {node_id} is lost{why}"))
         return event
 
     def gpu_faults(self, node_id: str, gpus: Iterable[model.GpuUsage]) -> list[Event]:
@@ -280,24 +370,22 @@ class EventLog:
         for g in gpus:
             for f in g.faults or ():
                 key = (node_id, g.index, f.kind, f.xid, f.line or f.meaning)
-                if key in self._faults_seen:
+                if key in self._seen.faults:
                     continue
-                self._faults_seen[key] = None
-                while len(self._faults_seen) > self._keys:
-                    self._faults_seen.popitem(last=False)
+                self._seen.fault(key)
                 if f.unusable:
                     act = "the card is taken out: its replicas are replaced elsewhere, then stopped"
                 else:
                     whose = core.classify_xid(f.xid).whose if f.xid is not None else "unknown"
                     act = f"reported only ({whose} fault): nothing moves"
-                out.append(
-                    self.record(
-                        GPU_FAULT,
-                        f"gpu {g.index}: {core.fault_words(f)}; {act}",
-                        node_id=node_id,
-                        lines=(f.line.strip(),) if f.line else (),
-                    )
+                event = self._add(
+                    GPU_FAULT,
+                    f"gpu {g.index}: {core.fault_words(f)}; {act}",
+                    node_id=node_id,
+                    lines=(f.line.strip(),) if f.line else (),
                 )
+                self._journal(Recorded(event, seen=("gpu", *key)))
+                out.append(event)
         return out
 
     def command_stuck(
@@ -313,7 +401,7 @@ class EventLog:
 
         A start that got stuck is why its replica never ran: its failure.
         """
-        event = self.record(
+        event = self._add(
             COMMAND_STUCK,
             message,
             node_id=node_id,
@@ -323,12 +411,14 @@ class EventLog:
         )
         if replica_id is not None:
             self._fail(event, message, strong=False)
+        self._journal(Recorded(event, message if replica_id is not None else None))
         return event
 
-    def _fail(self, event: Event, reason: str, *, strong: bool) -> None:
+    def _fail(self, event: Event, reason: str, *, strong: bool, mono: float | None = None) -> None:
+        """`mono`: when it happened on the monotonic clock (a replayed event's); None: now."""
         assert event.replica_id is not None
-        now = self._clock()
-        self._expire(now)
+        now = self._clock() if mono is None else mono
+        self._expire(self._clock())
         if not strong and event.replica_id in self._failures:
             return  # the shard's own report said more than the stop that followed it
         kept = _Kept(
@@ -353,6 +443,53 @@ class EventLog:
             if ring and ring[-1].failure.replica_id == event.replica_id:
                 ring.pop()  # one entry per replica: its latest
             ring.append(kept)
+
+    # the store: what is still to be written, and the log rebuilt from it ---------------
+
+    def unsaved(self, limit: int) -> tuple[Recorded, ...]:
+        """The oldest `limit` events not yet in the store, oldest first."""
+        return tuple(itertools.islice(self._unsaved, limit))
+
+    def saved(self, up_to_seq: int) -> None:
+        """The store has every unsaved event up to this one (its `seq`)."""
+        while self._unsaved and self._unsaved[0].event.seq <= up_to_seq:
+            self._unsaved.popleft()
+
+    def replace(self, stored: Iterable[Recorded]) -> None:
+        """The log rebuilt from the store's records (oldest first), then what is recorded
+        here and not yet written, replayed after them: at start and when this control
+        plane is elected, so it holds what the one before it recorded. Each event gets a
+        new `seq` (the order is kept); failures count their window from when they
+        happened (their wall-clock age)."""
+        waiting = list(self._unsaved)
+        self._seq = itertools.count(1)
+        self._all = deque(maxlen=self._total)
+        self._by_replica = _Rings(self._per_key, self._keys)
+        self._by_node = _Rings(self._per_key, self._keys)
+        self._failures.clear()
+        self._by_model.clear()
+        self._seen = _Repeats(self._keys)
+        self._unsaved.clear()
+        for rec in stored:
+            self._replay(rec)
+        for rec in waiting:
+            self._unsaved.append(self._replay(rec))
+
+    def _replay(self, rec: Recorded) -> Recorded:
+        e = rec.event
+        event = self._add(e.kind, e.message, node_id=e.node_id, replica_id=e.replica_id,
+                          model_name=e.model_name, shard_id=e.shard_id, lines=e.lines,
+                          at=e.at)  # fmt: skip
+        age = max(0.0, self._wall() - e.at)
+        if (
+            rec.failure is not None
+            and event.replica_id is not None
+            and (age <= self.failure_retention_s)
+        ):
+            self._fail(event, rec.failure, strong=rec.strong, mono=self._clock() - age)
+        if rec.seen:
+            self._seen.replay(rec.seen)
+        return attrs.evolve(rec, event=event)
 
     def _expire(self, now: float) -> None:
         for replica_id, kept in list(self._failures.items()):

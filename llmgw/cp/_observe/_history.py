@@ -34,6 +34,14 @@ node's size does not change after its first hour. A hostile or
 broken agent cannot grow it past MAX_GPUS, MAX_FILESYSTEMS and MAX_SHARDS
 series groups (keys longer than MAX_KEY characters are not kept).
 
+The history is this control plane's own: it is kept in memory and starts
+empty after a restart or a failover. So that an empty stretch is not read as
+an idle node, the API says since when it holds each node (`since`, the wall
+time of its first sample here) and since when it has kept any history, and why
+(`kept_since`: this control plane started, or took over as leader:
+`took_over`); the node page says "history since HH:MM (this control plane took
+over then)" where that is later than the window's start.
+
 Pure: no trio, no I/O; the clocks are injected.
 """
 
@@ -56,6 +64,10 @@ MAX_SHARDS = 64
 MAX_KEY = 512
 # bytes per node with 8 GPUs, 2 filesystems, 2 shards (measured 54,689; see the docstring)
 NODE_BYTES_BOUND = 64_000
+# An election this soon after the start is the start's own (alone on its store, a
+# control plane leads at its first try, within a second or two of being built): its
+# history was kept "since it started", not "since it took over".
+START_ELECTION_S = 10.0
 
 NODE_SERIES = (
     "cpu_util_percent",
@@ -114,9 +126,10 @@ class _Group:
 
 
 class _Node:
-    __slots__ = ("filesystems", "gpus", "last", "own", "shards")
+    __slots__ = ("filesystems", "first", "gpus", "last", "own", "shards")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, first: float) -> None:
+        self.first = first  # wall clock of its first sample here
         self.last = -1  # the last bucket written
         self.own = _Group(NODE_SERIES, size)
         self.gpus: dict[str, _Group] = {}
@@ -154,6 +167,8 @@ class History:
         self._nodes: dict[str, _Node] = {}
         self._queue_of = queue
         self.samples = 0  # samples written, for statistics
+        # Since when this control plane keeps history, and why (module docstring).
+        self.kept_since: tuple[float, str] = (wall(), "started")
 
     def __repr__(self) -> str:
         return f"<History {self.statistics()}>"
@@ -166,6 +181,14 @@ class History:
             "buckets": self.buckets,
             "samples": self.samples,
         }
+
+    def took_over(self) -> None:
+        """This control plane was elected leader: the nodes' history before now is
+        the other control plane's (an election within START_ELECTION_S of the start
+        is the start's own)."""
+        now = self._wall()
+        if now - self.kept_since[0] > START_ELECTION_S:
+            self.kept_since = (now, "took over as leader")
 
     def nodes(self) -> list[str]:
         return sorted(self._nodes)
@@ -198,7 +221,7 @@ class History:
         b = self._bucket(self._clock())
         node = self._nodes.get(node_id)
         if node is None:
-            node = self._nodes[node_id] = _Node(self.buckets)
+            node = self._nodes[node_id] = _Node(self.buckets, self._wall())
         if b < node.last:
             return  # the monotonic clock does not go back; a sample from the past has no slot
         if b > node.last:
@@ -331,5 +354,7 @@ class History:
             "resolution_s": self.resolution_s,
             "buckets": n,
             "start": wall - (now - first * self.resolution_s),
+            "since": node.first,
+            "kept_since": {"at": self.kept_since[0], "why": self.kept_since[1]},
             "series": series,
         }

@@ -3,7 +3,9 @@
 Login with an admin key sets `llmgw_admin`, a random session id (never the key),
 HttpOnly, SameSite=Strict, Path=/admin. Every other path needs it: a page
 redirects to the login form (303), `/admin/data/...` answers 401. Every POST form
-carries `csrf`, the session's own token: missing 400, wrong 403.
+carries `csrf`, the session's own token: missing 400, wrong 403. Sessions are
+kept in the store too, so a login holds on every control plane that shares it
+(llmgw/cp/_pages/_sessions.py).
 
 The pages read what `llmgw ctl` reads: the admin API, called in-process through
 the admin app (`api_client`), so they show nothing the API does not and need
@@ -17,28 +19,24 @@ import hmac
 import json
 import logging
 import os
-import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlencode
 
-import attrs
 import trio
 from quart import Response, g, redirect, render_template, request
 from quart_trio import QuartTrio
 
 from llmgw.cp._pages import _view
+from llmgw.cp._pages._sessions import SESSION_TTL_S, Sessions
 from llmgw.web.asgi import App as Asgi
 from llmgw.web.asgi import Message
 
 log = logging.getLogger("llmgw.cp.pages")
 
 COOKIE = "llmgw_admin"
-SESSION_TTL_S = 12 * 3600.0
-MAX_SESSIONS = 256
 LOG_LINES = 200
 MIRROR_MAX_ENTRIES = 2000
 
@@ -87,47 +85,6 @@ def _message(body: Any) -> str:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         return str(body["error"].get("message"))
     return str(body)
-
-
-@attrs.define
-class Session:
-    csrf: str
-    expires: float
-
-
-class Sessions:
-    """Logged-in browsers: random ids, in memory (a restart logs everyone out), bounded."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._by_id: OrderedDict[str, Session] = OrderedDict()
-
-    def create(self) -> tuple[str, Session]:
-        sid = secrets.token_urlsafe(32)
-        self._by_id[sid] = session = Session(
-            secrets.token_urlsafe(32), self._clock() + SESSION_TTL_S
-        )
-        while len(self._by_id) > MAX_SESSIONS:
-            self._by_id.popitem(last=False)
-        return sid, session
-
-    def get(self, sid: str | None) -> Session | None:
-        if not sid:
-            return None
-        found = self._by_id.get(sid)
-        if found is None:
-            return None
-        if found.expires <= self._clock():
-            del self._by_id[sid]
-            return None
-        return found
-
-    def end(self, sid: str | None) -> None:
-        if sid:
-            self._by_id.pop(sid, None)
-
-    def __len__(self) -> int:
-        return len(self._by_id)
 
 
 def _mirror_entries(root: Path, wanted: list[str]) -> list[tuple[str, int]]:
@@ -184,7 +141,7 @@ def make_pages(
         if path == "/admin/login" or path.startswith("/admin/static/"):
             return None
         sid = request.cookies.get(COOKIE)
-        session = store.get(sid)
+        session = await store.get(sid)
         if session is None:
             if path.startswith("/admin/data/"):
                 return Response("an admin session is needed: log in at /admin/login", 401,
@@ -289,6 +246,7 @@ def make_pages(
             "fig": _view.node_figures(found),
             "charts": _view.history_charts(history if hs == 200 else None),
             "history_note": None if hs == 200 else _message(history),
+            "history_since": _view.history_since(history) if hs == 200 else None,
         }
 
     async def replicas_data() -> dict[str, Any]:

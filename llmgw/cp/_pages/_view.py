@@ -258,6 +258,32 @@ def _lists(tree: Any, want: Iterable[str]) -> list[list[Any]]:
     return found
 
 
+def history_since(history: Mapping[str, Any] | None) -> str | None:
+    """ "history since 06:12 UTC (this control plane took over then)" when this control
+    plane holds less than the window of the node's history; None when it holds it all.
+    The chart's empty stretch before that is not an idle node: nothing was kept here."""
+    if not history:
+        return None
+    since, start = history.get("since"), history.get("start")
+    if not isinstance(since, (int, float)) or not isinstance(start, (int, float)):
+        return None
+    if since <= start + float(history.get("resolution_s") or 0):
+        return None
+    kept = history.get("kept_since") or {}
+    at, why = kept.get("at"), kept.get("why")
+    if isinstance(at, (int, float)) and why and since - at <= SINCE_SLACK_S:
+        reason = f"this control plane {why} then"
+    else:
+        reason = "the node first reported to this control plane then"
+    shown = time.strftime("%H:%M", time.gmtime(since))
+    return f"history since {shown} UTC ({reason}); before it, nothing was kept here"
+
+
+# A node that reports to a control plane this soon after it started or took over had
+# its earlier history there, not nowhere.
+SINCE_SLACK_S = 120.0
+
+
 def history_charts(history: Mapping[str, Any] | None) -> list[Chart]:
     """The node page's six charts from GET /api/v1/nodes/{node}/history."""
     series = (history or {}).get("series") or {}
