@@ -466,10 +466,36 @@ def postgres_server() -> Iterator[str]:
         yield dsn
 
 
+@attrs.define
+class Postgres:
+    """A running PostgreSQL of `postgres_instance`: its DSNs, and the outage a test makes
+    (`stop`, immediate: connections fail at once; `start` again on the same port)."""
+
+    admin: str
+    dsn: str | None
+    stop_argv: list[str]
+    start_argv: list[str]
+    env: dict[str, str]
+
+    def stop(self) -> None:
+        subprocess.run(self.stop_argv, check=True, capture_output=True, env=self.env, timeout=60)
+
+    def start(self) -> None:
+        subprocess.run(self.start_argv, check=True, capture_output=True, env=self.env, timeout=90)
+
+
 @contextlib.contextmanager
 def postgres_admin(*, create_user: bool = False) -> Iterator[tuple[str, str | None]]:
     """As `postgres_server`, yielding (the superuser `admin`'s DSN on database postgres,
-    the `llmgw` role's DSN, or None when `create_user` is false and nothing was made).
+    the `llmgw` role's DSN, or None when `create_user` is false and nothing was made)."""
+    with postgres_instance(create_user=create_user) as pg:
+        yield pg.admin, pg.dsn
+
+
+@contextlib.contextmanager
+def postgres_instance(*, create_user: bool = False) -> Iterator[Postgres]:
+    """A real PostgreSQL as `postgres_server` starts it, as a `Postgres` (it can be stopped
+    and started again).
 
     PostgreSQL refuses to run as root, and tests here run as root: initdb and the server
     then run as `nobody`, which owns the data directory. The directory is a private
@@ -519,11 +545,10 @@ def postgres_admin(*, create_user: bool = False) -> Iterator[tuple[str, str | No
             f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={top}"
             " -c fsync=off"
         )
-        subprocess.run(
-            [*as_user, pg_ctl, "-D", str(data), "-l", str(log), "-o", opts, "-w", "-t", "60",
-             "start"],
-            check=True, capture_output=True, env=env, timeout=90,
-        )  # fmt: skip
+        start_argv = [*as_user, pg_ctl, "-D", str(data), "-l", str(log), "-o", opts, "-w",
+                      "-t", "60", "start"]  # fmt: skip
+        stop_argv = [*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"]
+        subprocess.run(start_argv, check=True, capture_output=True, env=env, timeout=90)
         started = True
         admin = f"postgresql://admin:{admin_pw}@127.0.0.1:{port}/postgres"
         deadline = time.monotonic() + 30
@@ -540,7 +565,7 @@ def postgres_admin(*, create_user: bool = False) -> Iterator[tuple[str, str | No
                 conn.execute(f"CREATE ROLE llmgw LOGIN PASSWORD '{user_pw}'")
                 conn.execute("CREATE DATABASE llmgw OWNER llmgw")
         user = f"postgresql://llmgw:{user_pw}@127.0.0.1:{port}/llmgw"
-        yield admin, (user if create_user else None)
+        yield Postgres(admin, user if create_user else None, stop_argv, start_argv, env)
     finally:
         if started:
             subprocess.run(

@@ -275,7 +275,9 @@ async def assemble(
         unhealthy=lambda: [e for e, s in router.endpoint_states().items() if not s.healthy],
         handover_s=cfg.lost_after_s,
     )
-    publisher = EndpointPublisher(store, endpoints, registry.acting, lambda: registry.epoch)
+    # What this leader routes by, the handover included: publishing its own view, empty
+    # right after an election, sent the standby's router to nothing.
+    publisher = EndpointPublisher(store, routed, registry.acting, lambda: registry.epoch)
     keys = StoreKeys(store)
     admin_key = read_admin_key(key_path)
     router = Router(router_cfg or RouterConfig(), routed, keys, admin_key=admin_key, usage=store)
