@@ -219,6 +219,113 @@ def ready_shards(cluster: Any) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+class BalancedLoad:
+    """A client behind a load balancer over several routers (name, base URL), sending chat
+    completions one after another from `clients` threads until `close()`.
+
+    Each request goes first to the next router in turn, with a short connect and read
+    timeout (`TIMEOUT`); when that router gives no answer (refused, reset, timed out)
+    the request goes to the next router, once, and the silent one is passed over for
+    `DOWN_S` (a balancer's passive health check, nginx's fail_timeout). A request
+    `failed` when the router that answered it answered anything but a 200 with a
+    completion (an HTTP error is not retried elsewhere), or when neither answered.
+    `moved` counts the requests answered by the second router."""
+
+    TIMEOUT = (2.0, 1.0)  # read, connect: the balancer's patience with one router
+    DOWN_S = 3.0
+
+    def __init__(
+        self, routers: list[tuple[str, str]], key: str, *, model: str = "tiny", clients: int = 2
+    ) -> None:
+        self.routers, self.key, self.model = routers, key, model
+        self.ok = 0
+        self.moved = 0
+        self.failed: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)
+        ]
+
+    def start(self) -> BalancedLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+    def snapshot(self) -> tuple[int, int]:
+        """(answered, failed) so far."""
+        with self._lock:
+            return self.ok, len(self.failed)
+
+    def _run(self, c: int) -> None:
+        import time
+
+        import httpx
+
+        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2}  # fmt: skip
+        read, connect = self.TIMEOUT
+        clients = [
+            httpx.Client(
+                base_url=url,
+                headers={"Authorization": f"Bearer {self.key}"},
+                timeout=httpx.Timeout(read, connect=connect),
+            )
+            for _, url in self.routers
+        ]
+        n = len(self.routers)
+        down_until = [0.0] * n
+        turn = c
+        try:
+            while not self._stop.is_set():
+                turn += 1
+                first = turn % n
+                if time.monotonic() < down_until[first]:
+                    first = (first + 1) % n
+                second = (first + 1) % n
+                outcome = self._one(clients[first], body)
+                moved = False
+                if outcome is None:  # no answer: the balancer tries the next router
+                    down_until[first] = time.monotonic() + self.DOWN_S
+                    moved = True
+                    outcome = self._one(clients[second], body)
+                    if outcome is None:
+                        down_until[second] = time.monotonic() + self.DOWN_S
+                with self._lock:
+                    if outcome == "ok":
+                        self.ok += 1
+                        self.moved += moved
+                    else:
+                        self.failed.append(
+                            f"{time.strftime('%H:%M:%S')} first {self.routers[first][0]}: "
+                            f"{outcome or 'no router answered'}"
+                        )
+                time.sleep(0.02)
+        finally:
+            for client in clients:
+                client.close()
+
+    @staticmethod
+    def _one(client: Any, body: dict[str, Any]) -> str | None:
+        """ "ok", what was wrong with the answer, or None when there was none."""
+        import httpx
+
+        try:
+            r = client.post("/chat/completions", json=body)
+        except httpx.TransportError:  # refused, reset, timed out: no answer
+            return None
+        if r.status_code != 200:
+            return f"{r.status_code} {r.text[:200]}"
+        if not r.json().get("choices"):
+            return f"200 without choices: {r.text[:200]}"
+        return "ok"
+
+
 class ChatLoad:
     """`clients` threads sending chat completions one after another through a router
     until the block ends, counting answers (`ok`), failures (`failed`: a status other

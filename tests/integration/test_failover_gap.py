@@ -15,10 +15,10 @@ happens:
 
 What "failed" means. The stream is a client behind a load balancer over the two
 routers, and does what such a balancer does with a backend that does not answer: each
-request goes first to one router (alternately), with a short connect and read timeout
-(`TIMEOUT`); a connection refused, a reset or a timeout sends it to the other router,
-once, and that router is passed over for `DOWN_S` (a balancer's passive check). A
-request fails when the router that answered it answered anything but a 200 with a
+request goes first to one router (alternately), with a 1 s connect and 2 s read
+timeout (tests/helpers.py BalancedLoad); a connection refused, a reset or a timeout
+sends it to the other router, once, and the silent router is passed over for 3 s (a
+balancer's passive check). A request fails when the router that answered it answered anything but a 200 with a
 completion (a 503 `no_ready_replica` included: it is not retried elsewhere), or when
 neither answered within the timeouts. A router that is stopped or dead cannot answer
 at all: its requests are the balancer's to move, and they count as failed only when
@@ -36,113 +36,30 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import httpx
 import pytest
-from helpers import Postgres, alive, postgres_instance, tiny_catalog
+from helpers import BalancedLoad, Postgres, alive, postgres_instance, tiny_catalog
 
+from llmgw.agent._session import LOST_RECENTLY_S
 from llmgw.testing import fake_engine
 from llmgw.testing.cluster import ControlPlane, LocalCluster, wait_for
 
 LEASE_S = 3.0
 SETTLE_S = 20.0
 NODES = ("a1", "a2")
-TIMEOUT = httpx.Timeout(2.0, connect=1.0)  # the balancer's patience with one router
-DOWN_S = 3.0  # and how long it then passes that router over (nginx's fail_timeout)
 OUTAGE_S = 10.0
 STREAM_AFTER_S = 4.0  # the stream runs on this long once everything has moved
-LOST_RECENTLY_S = 20.0  # llmgw/agent/_session.py
 
 
 @pytest.fixture
 def pg() -> Iterator[Postgres]:
     with postgres_instance(create_user=True) as pg:
         yield pg
-
-
-@attrs.define
-class Stream:
-    """Chat requests one after another from `clients` threads, each first to one router
-    and on a timeout or refused connection to the other (see the module's docstring)."""
-
-    routers: tuple[ControlPlane, ControlPlane]
-    key: str
-    clients: int = 2
-    ok: int = 0
-    moved: int = 0  # answered by the second router after the first did not answer
-    failed: list[str] = attrs.field(factory=list)
-    stop: threading.Event = attrs.field(factory=threading.Event)
-    _threads: list[threading.Thread] = attrs.field(factory=list)
-    _lock: threading.Lock = attrs.field(factory=threading.Lock)
-
-    def start(self) -> None:
-        for c in range(self.clients):
-            t = threading.Thread(target=self._run, args=(c,), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(30)
-
-    def _run(self, c: int) -> None:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        headers = {"Authorization": f"Bearer {self.key}"}
-        clients = [httpx.Client(base_url=r.router_url, headers=headers, timeout=TIMEOUT)
-                   for r in self.routers]  # fmt: skip
-        n = c
-        down_until = [0.0, 0.0]  # a router that did not answer is passed over a while
-        try:
-            while not self.stop.is_set():
-                n += 1
-                first = n % 2
-                if time.monotonic() < down_until[first]:
-                    first = 1 - first
-                outcome = self._one(clients[first], body)
-                moved = False
-                if outcome is None:  # no answer: the balancer tries the other router
-                    down_until[first] = time.monotonic() + DOWN_S
-                    moved = True
-                    outcome = self._one(clients[1 - first], body)
-                    if outcome is None:
-                        down_until[1 - first] = time.monotonic() + DOWN_S
-                with self._lock:
-                    if outcome == "ok":
-                        self.ok += 1
-                        self.moved += moved
-                    else:
-                        self.failed.append(
-                            f"{time.strftime('%H:%M:%S')} first {self.routers[first].name}: "
-                            f"{outcome or 'neither router answered'}"
-                        )
-                time.sleep(0.02)
-        finally:
-            for client in clients:
-                client.close()
-
-    @staticmethod
-    def _one(client: httpx.Client, body: dict[str, Any]) -> str | None:
-        """ "ok", what was wrong with the answer, or None when there was none."""
-        try:
-            r = client.post("/chat/completions", json=body)
-        except httpx.TransportError:  # refused, reset, timed out: no answer
-            return None
-        if r.status_code != 200:
-            return f"{r.status_code} {r.text[:200]}"
-        if not r.json().get("choices"):
-            return f"200 without choices: {r.text[:200]}"
-        return "ok"
-
-    def snapshot(self) -> tuple[int, int]:
-        with self._lock:
-            return self.ok, len(self.failed)
 
 
 def log_time(line: str) -> float:
@@ -222,7 +139,7 @@ def test_no_request_fails_while_the_lease_moves(
     pids = [p for _, _, ps in before.values() for p in ps]
     assert pids and all(alive(p) for p in pids), before
 
-    stream = Stream((cp1, cp2), key)
+    stream = BalancedLoad([(cp.name, cp.router_url) for cp in (cp1, cp2)], key)
     stream.start()
     try:
         # Both routers answer before the switch (the standby from the published list).
