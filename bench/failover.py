@@ -1,39 +1,56 @@
-"""Failover: two real `llmgw-cp` on one PostgreSQL, a fleet of simulated agents, and the
-leader frozen (SIGSTOP of its process group) with everything placed and serving.
+"""Failover: two real `llmgw-cp` on one PostgreSQL, a fleet of simulated agents, a steady
+stream of requests to both routers, and the lease made to change hands with everything
+placed and serving, three ways (`--switches`):
 
-Measured from the SIGSTOP, for each fleet size (default 3 and 100 agents):
+- sigstop: the leader's process group is stopped (a machine that hangs);
+- kill9: the leader is killed;
+- store: PostgreSQL is stopped for `--outage` s (10), which deposes the leader; the
+  standby is held (SIGSTOP) while the store comes back, so that the deposed leader wins
+  the lease back: the case whose agents used to stay away from it for 20 s.
 
-- takeover: until the standby's log says "leader: elected" (its own timestamp);
+Measured for each switch and fleet size (default 3 and 100 agents), from the switch
+(from the store's return for `store`):
+
+- takeover: until the new leader's log says "leader: elected" (its own timestamp);
 - agents moved: until the last agent's registration with the new leader at its
   epoch was answered;
 - routable: until the new leader's admin API shows every replica ready and a
   chat request through its router is answered (by the one fake engine every
   replica's report points at);
+- failed requests: the stream (tests/helpers.py BalancedLoad) is a client behind a
+  load balancer over both routers: each request first to one router in turn with a
+  2 s read and 1 s connect timeout; no answer (refused, reset, timed out) sends it to
+  the other router once, and passes the silent one over for 3 s. A request failed when
+  the router that answered it answered anything but a 200 completion (an HTTP error is
+  not retried), or when neither answered. It runs from before the switch until
+  `--stream-after` s after every replica is routable again;
 - engines restarted: startShard/stopShard calls the agents received after the
-  SIGSTOP (each would be an engine started or stopped); stale refusals: commands
+  switch (each would be an engine started or stopped); stale refusals: commands
   from the old epoch they refused.
 
-Goal (issue 15): routable under lease_s + 5 s, no engine restarted.
+Goals (issues 15 and 24): routable under lease_s + 5 s, 0 failed requests, no engine
+restarted.
 
 The defaults: lease_s 3, heartbeat_interval_s 1, reconcile_settle_s 20. Agents
 notice the silent leader before the standby has taken over, and the standby still
 names it: as llmgw-agent, they do not dial a control plane whose session they lost
-in the last 20 s, and ask the standby again after a backoff.
+in the last 20 s, unless the refusal names it at a newer epoch than that session's
+(elected again), and ask the standby again after a backoff.
 
 The simulated agents are bench/fleet.py's (real mutual TLS, a client certificate
 each, asyncio + pycapnp directly) with what failover needs of llmgw-agent: they dial
 the control planes in the order listed (`--order`), follow a refusal's "standby;
-leader is H:P" to that address next (unless its session was just lost), answer
-`startShard` with a ready shard (so the first leader places every replica on them),
-report their shards again when they register elsewhere, refuse a command from an
-epoch older than the newest seen, and give up on a silent control plane after
-llmgw-agent's own bounds: a heartbeat after max(2 x interval, 1 s), a dial after 10 s, a
-registration after 30 s, then back off 0.5 s doubling to 5 s (with jitter) once
-every address has failed.
+leader is H:P" to that address next (unless its session was just lost at the epoch
+the refusal names or a newer one), answer `startShard` with a ready shard (so the
+first leader places every replica on them), report their shards again when they
+register elsewhere, refuse a command from an epoch older than the newest seen, and
+give up on a silent control plane after llmgw-agent's own bounds: a heartbeat after
+max(2 x interval, 1 s), a dial after 10 s, a registration after 30 s, then back off
+0.5 s doubling to 5 s (with jitter) once every address has failed.
 
-Run: `.venv/bin/python bench/failover.py [--agents 3,100] [--lease 3]`. Loopback
-only; it needs PostgreSQL's initdb/pg_ctl (Debian: postgresql), starts one per
-fleet size, and kills every process it started.
+Run: `.venv/bin/python bench/failover.py [--agents 3,100] [--lease 3] [--switches
+sigstop,kill9,store]`. Loopback only; it needs PostgreSQL's initdb/pg_ctl (Debian:
+postgresql), starts one per switch and fleet size, and kills every process it started.
 """
 
 from __future__ import annotations
@@ -105,6 +122,7 @@ def worker_main(spec_path: Path) -> int:
             self.shards: dict[str, model.ShardReport] = {}
             self.phase = "dial"  # what the current session is doing, for the report
             self.registered = False  # the current session got as far as a registration
+            self.session_epoch = 0  # the epoch the current (or last) session registered at
 
         def fence(self, epoch: int) -> None:
             if epoch < self.newest_epoch:
@@ -163,8 +181,9 @@ def worker_main(spec_path: Path) -> int:
     stopping: asyncio.Event
     kept: list[Any] = []
 
-    async def one_session(node: Node, host: str, port: int) -> str | None:
-        """Register and heartbeat until the control plane fails; a refusal's leader."""
+    async def one_session(node: Node, host: str, port: int) -> tuple[str, int | None] | None:
+        """Register and heartbeat until the control plane fails; a refusal's leader and the
+        lease's epoch it names (None when it names none)."""
         node.phase = "dial"
         stream = await asyncio.wait_for(
             capnp.AsyncIoStream.create_connection(
@@ -195,10 +214,15 @@ def worker_main(spec_path: Path) -> int:
                 decoded = _decode_error(str(exc))
                 if decoded is not None and decoded[0] == "registration-refused":
                     say(event="refused", node=node.name, at=f"{host}:{port}", why=decoded[1])
-                    return decoded[2].get("leader") or None
+                    extra = decoded[2]
+                    if not extra.get("leader"):
+                        return None
+                    raw = str(extra.get("epoch") or "")
+                    return extra["leader"], int(raw) if raw.isdigit() else None
                 raise
             epoch = int(response.settings.epoch)
             node.newest_epoch = max(node.newest_epoch, epoch)
+            node.session_epoch = epoch
             node.registered = True
             interval = float(response.settings.heartbeatIntervalS)
             session = response.session
@@ -233,10 +257,13 @@ def worker_main(spec_path: Path) -> int:
     async def agent(name: str) -> None:
         node = Node(name)
         attempt = 0
-        lost_at: dict[tuple[str, ...], float] = {}  # as llmgw-agent's AgentSession._round
+        # As llmgw-agent's AgentSession: when a session with each address was lost, and
+        # the epoch it was registered at.
+        lost_at: dict[tuple[str, ...], tuple[float, int]] = {}
 
         def recently_lost(address: tuple[str, ...]) -> bool:
-            return time.monotonic() - lost_at.get(address, -LOST_RECENTLY_S) < LOST_RECENTLY_S
+            at = lost_at.get(address, (-LOST_RECENTLY_S, 0))[0]
+            return time.monotonic() - at < LOST_RECENTLY_S
 
         while not stopping.is_set():
             queue = [a for a in addresses if not recently_lost(a)] or list(addresses)
@@ -248,15 +275,19 @@ def worker_main(spec_path: Path) -> int:
                 tried.add(address)
                 try:
                     node.registered = False
-                    leader = await one_session(node, *address)
+                    refusal = await one_session(node, *address)
                     attempt = 0
-                    if leader:
+                    if refusal:
+                        leader, epoch = refusal
                         named = tuple(leader.rsplit(":", 1))
+                        lost = lost_at.get(named)
+                        if lost is not None and epoch is not None and epoch > lost[1]:
+                            del lost_at[named]  # elected again since: dialled at once
                         if not recently_lost(named):
                             queue.insert(0, named)
                 except (OSError, TimeoutError, ssl.SSLError, capnp.KjException) as exc:
                     if node.registered:  # a session that was up and failed
-                        lost_at[address] = time.monotonic()
+                        lost_at[address] = (time.monotonic(), node.session_epoch)
                     say(
                         event="failed",
                         node=name,
@@ -437,13 +468,14 @@ def run_one(n: int, args: argparse.Namespace, root: Path, inventory: Path) -> di
 
     if str(REPO / "tests") not in sys.path:
         sys.path.insert(0, str(REPO / "tests"))
-    from helpers import postgres_server  # the tests' own: initdb as `nobody` on loopback
+    # The tests' own: initdb as `nobody` on loopback; the balanced request stream.
+    from helpers import BalancedLoad, postgres_instance
 
     from llmgw.ctl import _cert
     from llmgw.testing.cluster import free_port
 
     args.current_n = n
-    work = root / f"n{n}"
+    work = root / f"{args.current_switch}-n{n}"
     work.mkdir()
     pki = root / "pki"
     nodes = [f"sim{i:04d}" for i in range(n)]
@@ -451,9 +483,11 @@ def run_one(n: int, args: argparse.Namespace, root: Path, inventory: Path) -> di
         if not (pki / f"agent-{node}.crt").exists():
             _cert.issue_agent(pki, node)
     procs = Procs()
-    result: dict[str, Any] = {"agents": n, "lease_s": args.lease}
+    result: dict[str, Any] = {"agents": n, "lease_s": args.lease, "switch": args.current_switch}
     deadline = time.monotonic() + args.timeout
-    with postgres_server() as dsn, contextlib.ExitStack() as stack:
+    with postgres_instance(create_user=True) as pg, contextlib.ExitStack() as stack:
+        dsn = pg.dsn
+        assert dsn is not None
         stack.callback(procs.close)
         engine_port = free_port()
         engine = procs.spawn(
@@ -588,6 +622,16 @@ def run_one(n: int, args: argparse.Namespace, root: Path, inventory: Path) -> di
             )
             return r.status_code == 200
 
+        def answers(cp: dict[str, Any]) -> bool:
+            r = httpx.post(
+                f"http://127.0.0.1:{cp['ports']['router']}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {api_key}"},
+                json={"model": "sim", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 2},
+                timeout=10,
+            )  # fmt: skip
+            return r.status_code == 200
+
         def poll(what: str, check: Any) -> float:
             """Seconds from the SIGSTOP until `check` holds (pumping agents' events)."""
             while True:
@@ -602,45 +646,92 @@ def run_one(n: int, args: argparse.Namespace, root: Path, inventory: Path) -> di
         poll("every replica routable through cp1", lambda: routable(cp1))
         result["placed_replicas"] = want_replicas
 
-        # The leader hangs.
+        # Both routers answer before the switch (the standby by the published list); then a
+        # steady stream goes to both, as a client behind a load balancer sends it.
+        poll("the standby's router answering", lambda: answers(cp2))
+        load = BalancedLoad(
+            [(name, f"http://127.0.0.1:{cps[name]['ports']['router']}/v1") for name in cps],
+            api_key,
+            model="sim",
+            clients=args.load_clients,
+        ).start()
+        stack.callback(load.close)
+        switch = args.current_switch
         frozen_wall, frozen = time.time(), time.monotonic()
-        os.killpg(cp1["proc"].pid, signal.SIGSTOP)
+        since_wall, since = frozen_wall, frozen  # what the times below count from
+        if switch == "sigstop":  # the leader hangs
+            os.killpg(cp1["proc"].pid, signal.SIGSTOP)
+            new = cp2
+        elif switch == "kill9":  # the leader dies
+            os.killpg(cp1["proc"].pid, signal.SIGKILL)
+            new = cp2
+        else:  # the store goes away; the deposed leader wins the lease back
+            pg.stop()
+            while not re.search(r"leader: deposed at epoch", cp1["log"].read_text()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("failover bench: cp1 not deposed by the store outage")
+                events.pump(0.1)
+            while time.monotonic() < frozen + args.outage:
+                events.pump(0.1)
+            # The standby is held while the store returns, so the deposed leader takes the
+            # lease (either may; this is the case whose agents used to stay away 20 s).
+            os.killpg(cp2["proc"].pid, signal.SIGSTOP)
+            try:
+                pg.start()
+                since_wall, since = time.time(), time.monotonic()  # from the store's return
+                poll(
+                    "cp1 elected again",
+                    lambda: get(cp1["admin"] + "/api/v1/leader", cp1["key"])["role"] == "leader",
+                )
+            finally:
+                os.killpg(cp2["proc"].pid, signal.SIGCONT)
+            new = cp1
         poll(
-            "cp2 leading",
-            lambda: get(cp2["admin"] + "/api/v1/leader", cp2["key"])["role"] == "leader",
+            "the new leader leading",
+            lambda: get(new["admin"] + "/api/v1/leader", new["key"])["role"] == "leader",
         )
-        view = get(cp2["admin"] + "/api/v1/leader", cp2["key"])
+        view = get(new["admin"] + "/api/v1/leader", new["key"])
         epoch2 = view["epoch"]
         elected = [
             line
-            for line in cp2["log"].read_text().splitlines()
+            for line in new["log"].read_text().splitlines()
             if re.search(rf"leader: elected, epoch {epoch2}\b", line)
         ]
-        result["takeover_s"] = log_time(elected[-1]) - frozen_wall if elected else None
+        result["takeover_s"] = log_time(elected[-1]) - since_wall if elected else None
+        new_rpc = rpc["cp1" if new is cp1 else "cp2"]
         events.until(
-            "all registered with cp2",
-            lambda: registered_with(rpc["cp2"], epoch2) == set(nodes),
+            "all registered with the new leader",
+            lambda: registered_with(new_rpc, epoch2) == set(nodes),
             deadline,
         )
         result["agents_moved_s"] = (
             max(
                 e["t"]
                 for e in events.of("registered")
-                if e["at"] == rpc["cp2"] and e["epoch"] == epoch2
+                if e["at"] == new_rpc and e["epoch"] == epoch2
             )
-            - frozen
+            - since
         )
-        result["routable_s"] = poll("every replica routable through cp2", lambda: routable(cp2))
-
-        # The old leader wakes.
-        thawed = time.monotonic()
-        os.killpg(cp1["proc"].pid, signal.SIGCONT)
-        result["old_leader_standby_s"] = None  # None: it still said leader when we gave up
-        while time.monotonic() < thawed + 4 * args.lease:
-            if get(cp1["admin"] + "/api/v1/leader", cp1["key"])["role"] == "standby":
-                result["old_leader_standby_s"] = time.monotonic() - thawed
-                break
+        result["routable_s"] = (
+            poll("every replica routable through it", lambda: routable(new)) + frozen - since
+        )
+        steady_until = time.monotonic() + args.stream_after
+        while time.monotonic() < steady_until:
             events.pump(0.1)
+        load.close()
+        result["requests"] = load.ok + len(load.failed)
+        result["requests_moved"] = load.moved
+        result["failed_requests"] = load.failed
+
+        result["old_leader_standby_s"] = None  # None: it still said leader when we gave up
+        if switch == "sigstop":  # the old leader wakes
+            thawed = time.monotonic()
+            os.killpg(cp1["proc"].pid, signal.SIGCONT)
+            while time.monotonic() < thawed + 4 * args.lease:
+                if get(cp1["admin"] + "/api/v1/leader", cp1["key"])["role"] == "standby":
+                    result["old_leader_standby_s"] = time.monotonic() - thawed
+                    break
+                events.pump(0.1)
         settle_until = time.monotonic() + 2 * args.lease  # a few of its intervals awake
         while time.monotonic() < settle_until:
             events.pump(0.1)
@@ -663,38 +754,65 @@ def run_one(n: int, args: argparse.Namespace, root: Path, inventory: Path) -> di
     return result
 
 
+SWITCHES = {  # what the times count from
+    "sigstop": "the SIGSTOP of the leader",
+    "kill9": "the kill -9 of the leader",
+    "store": "the store's return",
+}
+
+
 def show(r: dict[str, Any]) -> bool:
     goal = r["lease_s"] + 5.0
+    switch = r["switch"]
+    failed = r["failed_requests"]
     ok = (
         r["routable_s"] < goal
         and r["commands_after_sigstop"] == 0
-        and r["old_leader_standby_s"] is not None
+        and not failed
+        and (switch != "sigstop" or r["old_leader_standby_s"] is not None)
     )
     takeover = "?" if r["takeover_s"] is None else f"{r['takeover_s']:.1f} s"
+    after = SWITCHES[switch]
     print(
-        f"{r['agents']} agents, lease_s {r['lease_s']:g} "
+        f"{switch}: {r['agents']} agents, lease_s {r['lease_s']:g} "
         f"(epoch {r['epochs'][0]} -> {r['epochs'][1]}):"
     )
     rows = [
-        ("takeover", f"{takeover} after the SIGSTOP (the new leader's log)"),
+        ("takeover", f"{takeover} after {after} (the new leader's log)"),
         ("agents moved", f"{r['agents_moved_s']:.1f} s"),
         ("every replica routable", f"{r['routable_s']:.1f} s ({r['placed_replicas']} replicas)"),
         (
+            "failed requests",
+            f"{len(failed)} of {r['requests']} (goal 0; {r['requests_moved']} answered by "
+            "the other router after no answer)",
+        ),
+        (
             "engines restarted",
-            f"{r['commands_after_sigstop']} (start/stop commands after the SIGSTOP)",
+            f"{r['commands_after_sigstop']} (start/stop commands after the switch)",
         ),
         ("stale refusals", f"{r['stale_refused']} commands from the old epoch refused"),
         ("standby refusals", f"{r['refusals_followed']} registrations sent to the leader"),
-        (
-            "old leader",
-            f"a standby {r['old_leader_standby_s']:.1f} s after its SIGCONT"
-            if r["old_leader_standby_s"] is not None
-            else f"still says leader {4 * r['lease_s']:g} s after its SIGCONT (NOT fenced)",
-        ),
-        ("goal", f"{'met' if ok else 'NOT met'} (routable < {goal:g} s, no engine restarted)"),
     ]
+    if switch == "sigstop":
+        rows.append(
+            (
+                "old leader",
+                f"a standby {r['old_leader_standby_s']:.1f} s after its SIGCONT"
+                if r["old_leader_standby_s"] is not None
+                else f"still says leader {4 * r['lease_s']:g} s after its SIGCONT (NOT fenced)",
+            )
+        )
+    rows.append(
+        (
+            "goal",
+            f"{'met' if ok else 'NOT met'} (routable < {goal:g} s, 0 failed requests, "
+            "no engine restarted)",
+        )
+    )
     for name, value in rows:
         print(f"  {name:>22}: {value}")
+    for line in failed[:5]:
+        print(f"  {'failed':>22}: {line[:150]}")
     for why, count in r["dial_failures"].items():
         print(f"  {'sessions failed':>22}: {count} x {why}")
     return ok
@@ -724,7 +842,23 @@ def main(argv: list[str] | None = None) -> int:
         default=20.0,
         help="reconcile_settle_s: above 2 x heartbeat + 10 s (docs/operations.md)",
     )
+    parser.add_argument(
+        "--switches",
+        default="sigstop,kill9,store",
+        help="which switches, comma-separated: sigstop (the leader hangs), kill9 (it dies), "
+        "store (PostgreSQL stopped for --outage s; the deposed leader wins the lease back)",
+    )
+    parser.add_argument("--outage", type=float, default=10.0, help="the store outage, s")
     parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument(
+        "--load-clients", type=int, default=2, help="threads sending the request stream"
+    )
+    parser.add_argument(
+        "--stream-after",
+        type=float,
+        default=3.0,
+        help="the stream goes on this long after every replica is routable again, s",
+    )
     parser.add_argument("--timeout", type=float, default=240.0, help="per fleet size, s")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -732,6 +866,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         return worker_main(args.worker)
     sizes = [int(x) for x in args.agents.split(",") if x]
+    switches = [x for x in args.switches.split(",") if x]
+    unknown = sorted(set(switches) - SWITCHES.keys())
+    if unknown:
+        parser.error(f"--switches: {', '.join(unknown)}: expected some of {', '.join(SWITCHES)}")
     # SIGTERM unwinds like Ctrl-C: every process and the PostgreSQL are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -750,13 +888,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{os.cpu_count()} CPUs; agents list the {args.order.replace('-', ' ')}; "
             f"heartbeat_interval_s {args.heartbeat:g}, reconcile_settle_s {args.settle:g}"
         )
-        for n in sizes:
-            r = run_one(n, args, root, inventory)
-            met = show(r) and met
-            results.append(r)
+        for switch in switches:
+            args.current_switch = switch
+            for n in sizes:
+                r = run_one(n, args, root, inventory)
+                met = show(r) and met
+                results.append(r)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
-    print(f"goal {'met at every size' if met else 'NOT met at some size'}")
+    print(f"goal {'met at every size and switch' if met else 'NOT met at some size or switch'}")
     return 0  # a measurement: the figures say whether the goal is met
 
 

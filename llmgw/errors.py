@@ -128,21 +128,30 @@ class TlsRefused(PeerError):
 class RegistrationRefused(PeerError):
     """The control plane refused a registration.
 
-    `leader` is set when the refusal came from a standby that knows the leader.
+    `leader` is set when the refusal came from a standby that knows the leader, and
+    `epoch` when it knows the lease's epoch too: an agent that lost its session with
+    that leader at an older epoch dials it at once (it has been elected again).
     """
 
     code = "registration-refused"
 
-    def __init__(self, message: str, leader: str | None = None) -> None:
+    def __init__(self, message: str, leader: str | None = None, epoch: int | None = None) -> None:
         super().__init__(message)
         self.leader = leader
+        self.epoch = epoch
 
     def wire_extra(self) -> dict[str, str]:
-        return {} if self.leader is None else {"leader": self.leader}
+        extra = {} if self.leader is None else {"leader": self.leader}
+        if self.epoch is not None:
+            extra["epoch"] = str(self.epoch)
+        return extra
 
     @classmethod
     def from_wire_fields(cls, message: str, extra: Mapping[str, str]) -> LlmgwError:
-        return cls(message, leader=extra.get("leader") or None)
+        raw = extra.get("epoch") or ""
+        # From another machine: anything but a plain number is no epoch at all.
+        epoch = int(raw) if raw.isascii() and raw.isdigit() and len(raw) < 20 else None
+        return cls(message, leader=extra.get("leader") or None, epoch=epoch)
 
 
 class StaleEpoch(PeerError):

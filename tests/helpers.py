@@ -219,6 +219,113 @@ def ready_shards(cluster: Any) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+class BalancedLoad:
+    """A client behind a load balancer over several routers (name, base URL), sending chat
+    completions one after another from `clients` threads until `close()`.
+
+    Each request goes first to the next router in turn, with a short connect and read
+    timeout (`TIMEOUT`); when that router gives no answer (refused, reset, timed out)
+    the request goes to the next router, once, and the silent one is passed over for
+    `DOWN_S` (a balancer's passive health check, nginx's fail_timeout). A request
+    `failed` when the router that answered it answered anything but a 200 with a
+    completion (an HTTP error is not retried elsewhere), or when neither answered.
+    `moved` counts the requests answered by the second router."""
+
+    TIMEOUT = (2.0, 1.0)  # read, connect: the balancer's patience with one router
+    DOWN_S = 3.0
+
+    def __init__(
+        self, routers: list[tuple[str, str]], key: str, *, model: str = "tiny", clients: int = 2
+    ) -> None:
+        self.routers, self.key, self.model = routers, key, model
+        self.ok = 0
+        self.moved = 0
+        self.failed: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)
+        ]
+
+    def start(self) -> BalancedLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+    def snapshot(self) -> tuple[int, int]:
+        """(answered, failed) so far."""
+        with self._lock:
+            return self.ok, len(self.failed)
+
+    def _run(self, c: int) -> None:
+        import time
+
+        import httpx
+
+        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2}  # fmt: skip
+        read, connect = self.TIMEOUT
+        clients = [
+            httpx.Client(
+                base_url=url,
+                headers={"Authorization": f"Bearer {self.key}"},
+                timeout=httpx.Timeout(read, connect=connect),
+            )
+            for _, url in self.routers
+        ]
+        n = len(self.routers)
+        down_until = [0.0] * n
+        turn = c
+        try:
+            while not self._stop.is_set():
+                turn += 1
+                first = turn % n
+                if time.monotonic() < down_until[first]:
+                    first = (first + 1) % n
+                second = (first + 1) % n
+                outcome = self._one(clients[first], body)
+                moved = False
+                if outcome is None:  # no answer: the balancer tries the next router
+                    down_until[first] = time.monotonic() + self.DOWN_S
+                    moved = True
+                    outcome = self._one(clients[second], body)
+                    if outcome is None:
+                        down_until[second] = time.monotonic() + self.DOWN_S
+                with self._lock:
+                    if outcome == "ok":
+                        self.ok += 1
+                        self.moved += moved
+                    else:
+                        self.failed.append(
+                            f"{time.strftime('%H:%M:%S')} first {self.routers[first][0]}: "
+                            f"{outcome or 'no router answered'}"
+                        )
+                time.sleep(0.02)
+        finally:
+            for client in clients:
+                client.close()
+
+    @staticmethod
+    def _one(client: Any, body: dict[str, Any]) -> str | None:
+        """ "ok", what was wrong with the answer, or None when there was none."""
+        import httpx
+
+        try:
+            r = client.post("/chat/completions", json=body)
+        except httpx.TransportError:  # refused, reset, timed out: no answer
+            return None
+        if r.status_code != 200:
+            return f"{r.status_code} {r.text[:200]}"
+        if not r.json().get("choices"):
+            return f"200 without choices: {r.text[:200]}"
+        return "ok"
+
+
 class ChatLoad:
     """`clients` threads sending chat completions one after another through a router
     until the block ends, counting answers (`ok`), failures (`failed`: a status other
@@ -466,10 +573,36 @@ def postgres_server() -> Iterator[str]:
         yield dsn
 
 
+@attrs.define
+class Postgres:
+    """A running PostgreSQL of `postgres_instance`: its DSNs, and the outage a test makes
+    (`stop`, immediate: connections fail at once; `start` again on the same port)."""
+
+    admin: str
+    dsn: str | None
+    stop_argv: list[str]
+    start_argv: list[str]
+    env: dict[str, str]
+
+    def stop(self) -> None:
+        subprocess.run(self.stop_argv, check=True, capture_output=True, env=self.env, timeout=60)
+
+    def start(self) -> None:
+        subprocess.run(self.start_argv, check=True, capture_output=True, env=self.env, timeout=90)
+
+
 @contextlib.contextmanager
 def postgres_admin(*, create_user: bool = False) -> Iterator[tuple[str, str | None]]:
     """As `postgres_server`, yielding (the superuser `admin`'s DSN on database postgres,
-    the `llmgw` role's DSN, or None when `create_user` is false and nothing was made).
+    the `llmgw` role's DSN, or None when `create_user` is false and nothing was made)."""
+    with postgres_instance(create_user=create_user) as pg:
+        yield pg.admin, pg.dsn
+
+
+@contextlib.contextmanager
+def postgres_instance(*, create_user: bool = False) -> Iterator[Postgres]:
+    """A real PostgreSQL as `postgres_server` starts it, as a `Postgres` (it can be stopped
+    and started again).
 
     PostgreSQL refuses to run as root, and tests here run as root: initdb and the server
     then run as `nobody`, which owns the data directory. The directory is a private
@@ -519,11 +652,10 @@ def postgres_admin(*, create_user: bool = False) -> Iterator[tuple[str, str | No
             f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={top}"
             " -c fsync=off"
         )
-        subprocess.run(
-            [*as_user, pg_ctl, "-D", str(data), "-l", str(log), "-o", opts, "-w", "-t", "60",
-             "start"],
-            check=True, capture_output=True, env=env, timeout=90,
-        )  # fmt: skip
+        start_argv = [*as_user, pg_ctl, "-D", str(data), "-l", str(log), "-o", opts, "-w",
+                      "-t", "60", "start"]  # fmt: skip
+        stop_argv = [*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"]
+        subprocess.run(start_argv, check=True, capture_output=True, env=env, timeout=90)
         started = True
         admin = f"postgresql://admin:{admin_pw}@127.0.0.1:{port}/postgres"
         deadline = time.monotonic() + 30
@@ -540,7 +672,7 @@ def postgres_admin(*, create_user: bool = False) -> Iterator[tuple[str, str | No
                 conn.execute(f"CREATE ROLE llmgw LOGIN PASSWORD '{user_pw}'")
                 conn.execute("CREATE DATABASE llmgw OWNER llmgw")
         user = f"postgresql://llmgw:{user_pw}@127.0.0.1:{port}/llmgw"
-        yield admin, (user if create_user else None)
+        yield Postgres(admin, user if create_user else None, stop_argv, start_argv, env)
     finally:
         if started:
             subprocess.run(

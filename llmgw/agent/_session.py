@@ -4,7 +4,8 @@ Connect, register with the whole inventory and every shard, heartbeat, and
 when anything breaks, reconnect: every address in turn, then a jittered
 exponential backoff, forever. A standby's refusal moves on at once (to the
 leader it names, when it names one), except back to a control plane whose session
-was just lost: the standby is asked again until it has taken over.
+was just lost: the standby is asked again until it has taken over, unless the refusal
+names that leader at a newer epoch than the lost session's (re-elected: dialled at once).
 
 `hello_inventory` is asked for the inventory at every registration; the
 agent's (`Node.hello_inventory`) discovers once per process and answers later
@@ -35,7 +36,9 @@ log = logging.getLogger("llmgw.agent.session")
 
 # A control plane whose session was lost this recently is not dialled again while another
 # address may answer (see AgentSession._round); longer than a lease plus a retry (lease_s
-# defaults to 10 s), short enough that a blip costs no more than this.
+# defaults to 10 s), short enough that a blip costs no more than this. The rule ends
+# sooner when a standby's refusal names that control plane as the leader at a newer
+# epoch than the lost session's: it was deposed and has been elected again.
 LOST_RECENTLY_S = 20.0
 
 
@@ -91,8 +94,9 @@ class AgentSession:
         self.progress_sent = 0
         # The last registration: where it dialled and what it was told (the mirror's port).
         self.control_plane: tuple[str, int, model.Settings] | None = None
-        # When a registered session with each address ended (trio clock): see _round.
-        self._lost_at: dict[tuple[str, int], float] = {}
+        # When a registered session with each address ended (trio clock), and the epoch
+        # that session was registered at: see _round and `_dial_named`.
+        self._lost_at: dict[tuple[str, int], tuple[float, int]] = {}
 
     def notify_shard(self, report: model.ShardReport) -> None:
         """A shard changed: tell the control plane now if connected, else at registration."""
@@ -121,7 +125,7 @@ class AgentSession:
         fresh = [
             a
             for a in self.addresses
-            if now - self._lost_at.get(a, -LOST_RECENTLY_S) >= LOST_RECENTLY_S
+            if now - self._lost_at.get(a, (-LOST_RECENTLY_S, 0))[0] >= LOST_RECENTLY_S
         ]
         return fresh or list(self.addresses)
 
@@ -141,22 +145,9 @@ class AgentSession:
                     attempt = 0  # we were registered: start the backoff afresh
                 except RegistrationRefused as exc:
                     self._complain(f"control plane {host}:{port} refused registration: {exc}")
-                    if exc.leader:
-                        leader = _parse_address(exc.leader)
-                        lost_at = self._lost_at.get(leader) if leader is not None else None
-                        if lost_at is not None and (
-                            trio.current_time() - lost_at < LOST_RECENTLY_S
-                        ):
-                            log.info(
-                                "%s:%s names %s as the leader, whose session was lost "
-                                "%.0f s ago: asking again after a pause",
-                                host,
-                                port,
-                                exc.leader,
-                                trio.current_time() - lost_at,
-                            )
-                        elif leader is not None:
-                            queue.insert(0, leader)
+                    leader = self._dial_named(exc, f"{host}:{port}")
+                    if leader is not None:
+                        queue.insert(0, leader)
                 except TlsRefused as exc:
                     self._complain(str(exc), logging.ERROR)
                 except PeerError as exc:
@@ -174,6 +165,34 @@ class AgentSession:
                 attempt,
             )
             await trio.sleep(delay)
+
+    def _dial_named(self, exc: RegistrationRefused, by: str) -> tuple[str, int] | None:
+        """The leader a standby's refusal names, to dial next; None to ask again after a
+        pause: its session was lost less than LOST_RECENTLY_S ago and the refusal does not
+        say it was elected again since (an epoch newer than that session's)."""
+        leader = _parse_address(exc.leader) if exc.leader else None
+        if leader is None:
+            return None
+        lost = self._lost_at.get(leader)
+        if lost is None:
+            return leader
+        ago = trio.current_time() - lost[0]
+        if ago >= LOST_RECENTLY_S:
+            return leader
+        if exc.epoch is not None and exc.epoch > lost[1]:
+            log.info(
+                "%s names %s as the leader at epoch %d, newer than the session lost %.0f s "
+                "ago (epoch %d): dialling it now",
+                by, exc.leader, exc.epoch, ago, lost[1],
+            )  # fmt: skip
+            del self._lost_at[leader]  # a new term: the rule was about the old one
+            return leader
+        log.info(
+            "%s names %s as the leader, whose session was lost %.0f s ago: asking again "
+            "after a pause",
+            by, exc.leader, ago,
+        )  # fmt: skip
+        return None
 
     def _complain(self, message: str, level: int = logging.WARNING) -> None:
         """Log a failure; the same failure again, on every retry, only at debug level."""
@@ -215,7 +234,7 @@ class AgentSession:
             try:
                 await self._heartbeats(conn, session, settings)
             finally:
-                self._lost_at[(host, port)] = trio.current_time()
+                self._lost_at[(host, port)] = (trio.current_time(), settings.epoch)
                 session.release()
                 self.connected = trio.Event()
 

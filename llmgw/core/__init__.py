@@ -33,6 +33,7 @@ from llmgw.core._facts import (
     socket_interface,
     weights_key,
 )
+from llmgw.core._handover import handing_over, handover_endpoints
 from llmgw.core._liveness import (
     ConnectionLost,
     Event,
@@ -269,6 +270,8 @@ __all__ = [
     "gpu_drains",
     "gpu_health",
     "guard_release_at",
+    "handing_over",
+    "handover_endpoints",
     "head_outcome",
     "is_cache_name",
     "keep_faults",

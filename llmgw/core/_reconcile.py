@@ -214,6 +214,7 @@ def reconcile(
     backoff_policy: BackoffPolicy = BACKOFF_POLICY,
     rollouts: Mapping[str, RolloutControl] | None = None,
     wedged: Mapping[str, str] | None = None,
+    settling: bool = False,
 ) -> Plan:
     """The actions that bring `shards` toward `desired`.
 
@@ -228,6 +229,10 @@ def reconcile(
     `backoff`: model -> its restart backoff, under `backoff_policy`.
     `rollouts`: model -> the operator's word and the shell's memory of its rollout.
     `wedged`: replica id -> why a router quarantined it as wedged.
+    `settling`: the shell still waits for the known nodes to register after its start or
+    an election (llmgw/cp/_fleet/_settle.py): the plan holds as it would, but says nothing
+    of being cut off; right after a takeover every node is away only because it has not
+    re-registered yet, and the settle's own line says what it waits for.
     """
     pending = pending or {}
     unhealthy_since = unhealthy_since or {}
@@ -241,7 +246,7 @@ def reconcile(
     cut_off = bool(node_states) and away * 2 > len(node_states)
     notes: list[str] = []
     holding = cut_off
-    if cut_off:
+    if cut_off and not settling:
         notes.append(
             f"{away} of {len(node_states)} nodes are unreachable, lost or not yet registered: "
             "this control plane is probably the one cut off, so nothing is rescheduled"

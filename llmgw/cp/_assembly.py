@@ -215,7 +215,9 @@ async def assemble(
         registry.step_down(why)
 
     def learned_leader(holder: Holder | None) -> None:
-        registry.set_leader(holder.rpc if holder is not None else None)
+        # With the lease's epoch: an agent that lost this leader at an older epoch (it was
+        # deposed and elected again) dials it at once (llmgw/agent/_session.py).
+        registry.set_leader(holder.rpc if holder is not None else None, leadership.epoch)
 
     leadership = Leadership(
         lease_store or store,
@@ -279,8 +281,20 @@ async def assemble(
     # The router in either role: the fleet's list while leading, else the leader's, as it
     # published it in the store (llmgw/cp/_fleet/_endpoints.py).
     published = PublishedEndpoints(store)
-    routed = RoleEndpoints(endpoints, published, registry.acting)
-    publisher = EndpointPublisher(store, endpoints, registry.acting, lambda: registry.epoch)
+    # On an election the router keeps the published list, endpoint by endpoint, until the
+    # agents have re-registered (llmgw/cp/_fleet/_handover.py); the engines' health is the
+    # router's own readings (built below, asked only once a request is routed).
+    routed = RoleEndpoints(
+        endpoints,
+        published,
+        registry.acting,
+        registered=lambda: [r.node_id for r in registry.records()],
+        unhealthy=lambda: [e for e, s in router.endpoint_states().items() if not s.healthy],
+        handover_s=cfg.lost_after_s,
+    )
+    # What this leader routes by, the handover included: publishing its own view, empty
+    # right after an election, sent the standby's router to nothing.
+    publisher = EndpointPublisher(store, routed, registry.acting, lambda: registry.epoch)
     keys = StoreKeys(store)
     admin_key = read_admin_key(key_path)
     router = Router(router_cfg or RouterConfig(), routed, keys, admin_key=admin_key, usage=store)

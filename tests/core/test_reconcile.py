@@ -75,6 +75,14 @@ def test_cut_off_control_plane_reschedules_nothing_and_says_so() -> None:
     assert "nothing is rescheduled" in plan.notes[0]
 
 
+def test_while_settling_a_fleet_not_yet_back_holds_without_saying_cut_off() -> None:
+    nodes = {"n1": "absent", "n2": "absent", "n3": "ready"}
+    shards = [shard("r1", "n1", node_state="absent"), shard("r2", "n2", node_state="absent")]
+    plan = reconcile([QWEN], shards, nodes, {}, 1.0, settling=True)
+    assert plan.actions == () and plan.cut_off and plan.holding
+    assert not any("cut off" in n for n in plan.notes), plan.notes
+
+
 def test_extras_stop_least_advanced_then_newest() -> None:
     shards = [shard("old"), shard("new"), shard("loading", state="loading")]
     plan = reconcile([QWEN], shards, {"n1": "ready"}, {"old": 1.0, "new": 5.0, "loading": 0.0}, 9.0)

@@ -292,6 +292,37 @@ async def test_a_renewal_that_never_answers_ends_acting_by_the_local_clock(
         nursery.cancel_scope.cancel()
 
 
+async def test_the_same_leader_at_a_new_epoch_is_news_to_the_standby(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A leader deposed by a store outage and elected again keeps its address: the standby
+    still passes the new epoch on (agents that left it at the old one dial it at once)."""
+    other = Holder(rpc="cp-a:7070", admin="cp-a:8081")
+
+    class Held:
+        shared = True
+        epoch = 1
+
+        async def try_acquire(self, holder: str, ttl_s: float) -> Lease | None:
+            return None
+
+        async def current(self) -> Lease | None:
+            return Lease(other.encode(), self.epoch, 0.0, expired=False)
+
+    store = Held()
+    lead, seen = make(store, "cp-b")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lead.run)
+        await wait_for(lambda: seen.leaders)
+        assert seen.leaders == [other] and lead.epoch == 1
+        await trio.sleep(3 * lead.interval_s)
+        assert seen.leaders == [other]  # nothing new: nothing said
+        store.epoch = 2
+        await wait_for(lambda: len(seen.leaders) == 2)
+        assert seen.leaders == [other, other] and lead.epoch == 2
+        nursery.cancel_scope.cancel()
+
+
 @pytest.fixture
 def autojump_clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0)

@@ -9,9 +9,11 @@ after their bound.
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
@@ -231,6 +233,29 @@ async def test_settle_waits_for_every_known_node_and_a_slow_storm_extends_it(
         await wait_until("two passes", lambda: reconciler.statistics()["passes"] >= passes + 2)
         assert [a.started for a in agents] == [[], [], [], []]
         assert [a.stopped for a in agents] == [[], [], [], []]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_takeover_does_not_say_it_is_cut_off(
+    autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Right after an election every known node is away only because it has not
+    re-registered yet: no "probably the one cut off" then (issue 24). The same nodes
+    still away once the settle is over are said to be."""
+    registry, reconciler = make(settle_s=2.0, replicas=1)
+    registry.known.update({"a", "b", "c"})
+    caplog.set_level(logging.WARNING, logger="llmgw.cp.reconciler")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await nursery.start(reconciler.run)
+        reconciler.elected()
+        await trio.sleep(1.0)
+        await register(registry, "a")
+        await trio.sleep(1.0)  # settling: 2 of 3 known nodes still away
+        assert reconciler.statistics()["settling"] == 1
+        assert "cut off" not in caplog.text
+        await wait_until("settled", lambda: not reconciler.statistics()["settling"])
+        await wait_until("said", lambda: "probably the one cut off" in caplog.text, 5)
         nursery.cancel_scope.cancel()
 
 

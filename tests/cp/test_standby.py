@@ -108,7 +108,11 @@ async def test_a_standby_without_a_leader_says_so_and_reads_nothing() -> None:
     with pytest.raises(RegistrationRefused) as refused:
         await standby.register(peer, hello, FakeAgent("n1"))  # type: ignore[arg-type]
     assert str(refused.value) == "standby; leader is cp1:7070"
-    assert refused.value.leader == "cp1:7070"
+    assert refused.value.leader == "cp1:7070" and refused.value.epoch is None
+    standby.set_leader("cp1:7070", 7)
+    with pytest.raises(RegistrationRefused) as refused:
+        await standby.register(peer, hello, FakeAgent("n1"))  # type: ignore[arg-type]
+    assert (refused.value.leader, refused.value.epoch) == ("cp1:7070", 7)
     # A leader past its lease by its own clock refuses too, though not yet stepped down.
     leader = NodeRegistry(POLICY, lease=Lease(acting=False))
     with pytest.raises(RegistrationRefused, match="standby; no leader yet"):
@@ -150,6 +154,42 @@ async def test_a_deposed_registry_drops_its_sessions_and_agents_go_to_the_new_le
         assert [r.node_id for r in new.records()] == ["n1"]
         assert s.control_plane is not None and s.control_plane[2].epoch == 2
         assert old.records() == []  # it came back to the old one? refused: standby
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_leader_deposed_and_elected_again_is_redialled_at_once(tmp_path: Path) -> None:
+    """The store-outage case (issue 24): the leader steps down (its renewal failed), its
+    agents leave it, and once the store is back it takes the lease again at a newer epoch.
+    The standby's refusal names it with that epoch, so the agent dials it now instead of
+    waiting out LOST_RECENTLY_S (20 s) since the session it lost there."""
+    server_tls, client_tls = loopback_pki(tmp_path, "n1")
+    standby = NodeRegistry(POLICY, leading=False)
+    async with CapnpThread.open() as bridge, trio.open_nursery() as nursery:
+        leader = NodeRegistry(POLICY, epoch=1, close_connection=bridge.close_connection)
+        await nursery.start(leader.run)
+        await nursery.start(standby.run)
+        leader_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, leader)
+        standby_port = await nursery.start(bridge.serve, "127.0.0.1", 0, server_tls, standby)
+        standby.set_leader(f"127.0.0.1:{leader_port}", 1)
+        s = session([("127.0.0.1", leader_port), ("127.0.0.1", standby_port)], client_tls)
+        nursery.start_soon(s.run, bridge)
+        with trio.fail_after(15):
+            await s.connected.wait()
+        assert s.registered_with == f"127.0.0.1:{leader_port}"
+        leader.step_down("renewal failed: the store is down")
+        # While the standby still names it at epoch 1, the agent does not go back.
+        await trio.sleep(1.0)
+        assert s.registrations == 1 and s.registered_with is None
+        refused = RegistrationRefused("x", leader=f"127.0.0.1:{leader_port}", epoch=1)
+        assert s._dial_named(refused, "test") is None
+        # Elected again at epoch 2; the standby reads the lease and names it so.
+        t0 = trio.current_time()
+        leader.lead(2)
+        standby.set_leader(f"127.0.0.1:{leader_port}", 2)
+        await wait_for(lambda: s.registrations == 2 and s.registered_with is not None, 10)
+        assert s.registered_with == f"127.0.0.1:{leader_port}"
+        assert s.control_plane is not None and s.control_plane[2].epoch == 2
+        assert trio.current_time() - t0 < 5.0  # a backoff or two, not LOST_RECENTLY_S
         nursery.cancel_scope.cancel()
 
 

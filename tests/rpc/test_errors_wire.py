@@ -114,7 +114,7 @@ def one_of_each() -> list[LlmgwError]:
         if kind is ParseError:
             made.append(ParseError("nvidia-smi -q", "no GPU section"))
         elif kind is RegistrationRefused:
-            made.append(RegistrationRefused("standby", leader="10.0.0.1:7070"))
+            made.append(RegistrationRefused("standby", leader="10.0.0.1:7070", epoch=3))
         else:
             made.append(kind(f"a {code} error"))
     return made
@@ -148,6 +148,14 @@ def test_envelope_round_trip_of_any_text(code: str, message: str, leader: str) -
         assert str(back) == f"call: {message}"
     if kind is RegistrationRefused:
         assert back.leader == (leader or None)
+
+
+@given(st.none() | st.integers(0, 2**62))
+def test_a_refusal_carries_the_leaders_epoch(epoch: int | None) -> None:
+    exc = RegistrationRefused("standby; leader is h:1", leader="h:1", epoch=epoch)
+    back = _wire.map_remote_error(Exception(_wire.encode_error(exc)), "register")
+    assert isinstance(back, RegistrationRefused)
+    assert (back.leader, back.epoch) == ("h:1", epoch)
 
 
 def test_unknown_code_and_foreign_text_are_remote_errors() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
@@ -24,6 +25,7 @@ import trio
 
 from llmgw import core, model
 from llmgw.cp._fleet._catalog import Catalog
+from llmgw.cp._fleet._handover import Handover
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.errors import LlmgwError
 from llmgw.router import Endpoint, EndpointSource, decode_traffic, encode_traffic
@@ -327,19 +329,48 @@ class PublishedEndpoints:
             await trio.sleep(self.every_s)
 
 
+def _now() -> float:
+    """trio's clock; outside a trio run (a synchronous caller, a test), the monotonic one."""
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return time.monotonic()
+
+
 class RoleEndpoints:
     """The router's source in either role: the fleet's own list while leading, the
     leader's published list otherwise. `version` moves whenever the chosen list or the
-    choice does, so the router re-reads on a failover."""
+    choice does, so the router re-reads on a failover.
+
+    On an election the published list is not dropped at once: the own view is empty
+    until the agents re-register, so the list is handed over endpoint by endpoint
+    (llmgw/cp/_fleet/_handover.py) and the router never passes through an empty view.
+    `registered` names the nodes registered with this leader, `unhealthy` the endpoints
+    whose engine the router's readings found silent; `handover_s` bounds the handover."""
 
     def __init__(
-        self, fleet: EndpointSource, published: PublishedEndpoints, leading: Callable[[], bool]
+        self,
+        fleet: EndpointSource,
+        published: PublishedEndpoints,
+        leading: Callable[[], bool],
+        *,
+        registered: Callable[[], Collection[str]] = frozenset,
+        unhealthy: Callable[[], Collection[str]] = frozenset,
+        handover_s: float = 60.0,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._fleet = fleet
         self._published = published
         self._leading = leading
-        self._mark: tuple[bool, int] | None = None
+        self._registered = registered
+        self._unhealthy = unhealthy
+        self.handover_s = handover_s
+        self._clock = clock or _now
+        self._mark: tuple[bool, int, int] | None = None
         self._version = 0
+        self._was_leading: bool | None = None
+        self.handover: Handover | None = None  # while the new term's view fills
+        self.handovers = 0
         # The fleet's list as last read while leading: the published list starts from it
         # on a deposition (PublishedEndpoints.adopt).
         self._last_fleet: Mapping[str, tuple[Endpoint, ...]] | None = None
@@ -347,15 +378,32 @@ class RoleEndpoints:
 
     def _current(self) -> EndpointSource:
         leading = self._leading()
+        if leading and self._was_leading is False and any(self._published.snapshot().values()):
+            self.handover = Handover(
+                self._fleet,
+                self._published.snapshot(),
+                registered=self._registered,
+                unhealthy=self._unhealthy,
+                started_at=self._clock(),
+                limit_s=self.handover_s,
+            )
+            self.handovers += 1
+        self._was_leading = leading
+        if not leading:
+            self.handover = None
+        elif self.handover is not None:
+            self.handover.update(self._clock())
+            if self.handover.over:
+                self.handover = None
+        src: EndpointSource = (self.handover or self._fleet) if leading else self._published
         if leading:
-            self._last_fleet = self._fleet.snapshot()
-            self._last_traffic = self._fleet.traffic()
+            self._last_fleet = src.snapshot()
+            self._last_traffic = src.traffic()
         elif self._last_fleet is not None:
             self._published.adopt(self._last_fleet, self._last_traffic)
             self._last_fleet = self._last_traffic = None
         self._published.reading = not leading
-        src: EndpointSource = self._fleet if leading else self._published
-        mark = (leading, src.version)
+        mark = (leading, self.handovers if self.handover is not None else 0, src.version)
         if mark != self._mark:
             self._mark = mark
             self._version += 1

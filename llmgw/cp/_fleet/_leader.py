@@ -279,12 +279,15 @@ class Leadership:
         if not ok:
             return
         holder = Holder.decode(current.holder) if current is not None else None
+        epoch_moved = current is not None and current.epoch != self._last_epoch
         if current is not None:
             self._last_epoch = current.epoch
-        if holder != self._leader:
-            self._leader = holder
-            if holder is not None:
+        if holder != self._leader or epoch_moved:
+            if holder != self._leader and holder is not None:
                 log.info("leader: standby; leader is %s", holder.describe())
+            self._leader = holder
+            # Also when only the epoch moved: the same control plane elected again (after
+            # a store outage deposed it) is news to agents that left it.
             if self._on_leader is not None:
                 self._on_leader(holder)
 

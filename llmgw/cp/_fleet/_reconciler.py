@@ -241,6 +241,7 @@ class Reconciler:
                 settle_s=self._settle.settle_s,
                 backoff=self.backoff.current(), backoff_policy=self.backoff.policy,
                 rollouts=controls, wedged=self.wedged.reasons,
+                settling=not self._settle.settled,
             )  # fmt: skip
 
         plan = reconcile()

@@ -105,11 +105,12 @@ class NodeRegistry:
         self.forget_after_s = forget_after_s  # a node lost this long is forgotten; None: never
         self.epoch = epoch
         # Leadership (llmgw/cp/_fleet/_leader.py): a standby refuses registrations, naming the
-        # leader's RPC address when it knows it; `lease.may_act()` (True only inside the
-        # lease by this process's clock) is consulted before every command. None: nobody
-        # competes, it may always act.
+        # leader's RPC address and the lease's epoch when it knows them; `lease.may_act()`
+        # (True only inside the lease by this process's clock) is consulted before every
+        # command. None: nobody competes, it may always act.
         self.leading = leading
         self.leader_rpc: str | None = None
+        self.leader_epoch: int | None = None
         self._lease: Lease = lease if lease is not None else _Unleased()
         # An agent refused a command as stale: counted, and the lease is stepped down.
         self.commands_refused_stale = 0
@@ -247,18 +248,19 @@ class NodeRegistry:
 
     def refusal(self) -> RegistrationRefused:
         """What a standby answers an agent: where the leader is, when it knows."""
-        if self.leader_rpc is None:
+        rpc, epoch = self.leader_rpc, self.leader_epoch
+        if rpc is None:
             return RegistrationRefused("standby; no leader yet")
-        return RegistrationRefused(f"standby; leader is {self.leader_rpc}", leader=self.leader_rpc)
+        return RegistrationRefused(f"standby; leader is {rpc}", leader=rpc, epoch=epoch)
 
-    def set_leader(self, rpc: str | None) -> None:
-        """A standby learned whom to send agents to (None: nobody holds the lease)."""
-        self.leader_rpc = rpc
+    def set_leader(self, rpc: str | None, epoch: int | None = None) -> None:
+        """A standby learned the leader (None: nobody holds the lease) and the epoch."""
+        self.leader_rpc, self.leader_epoch = rpc, epoch
 
     def lead(self, epoch: int) -> None:
         """Elected: every command and registration from now carries `epoch`."""
         self.epoch = epoch
-        self.leader_rpc = None
+        self.leader_rpc = self.leader_epoch = None
         self.leading = True
         log.info("registry: leading at epoch %d; accepting registrations", epoch)
         self._changed()
