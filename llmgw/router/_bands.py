@@ -2,7 +2,8 @@
 
 The band is the `X-LLMGW-Priority` header's, else the key's default, and never
 above the key's highest (`max_band`: a higher one is lowered to it). The
-tenant's limits (llmgw/router/_tenants.py) then refuse a band above the
+tenant's limits (llmgw/router/_tenants.py in one process, llmgw/router/_budgets.py
+across the fleet) then refuse a band above the
 tenant's ceiling (403) or a request over its requests or tokens per minute
 (429, with Retry-After).
 """
@@ -11,17 +12,31 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-
-import trio
+from typing import Any, Protocol
 
 from llmgw.core import Band
-from llmgw.keys import ApiKey
+from llmgw.keys import ApiKey, TenantLimits
 from llmgw.router import _surface
-from llmgw.router._tenants import Refused, TenantLimiter, ceiling
+from llmgw.router._tenants import Refused, ceiling
 
 log = logging.getLogger("llmgw.router")
 
 PRIORITY_HEADER = b"x-llmgw-priority"
+
+
+class Limiter(Protocol):
+    """A tenant's requests and tokens per minute: this process's buckets
+    (llmgw/router/_tenants.py) or the fleet's leased budgets (llmgw/router/_budgets.py)."""
+
+    def admit(self, tenant: str, limits: TenantLimits | None, now: float) -> Refused | None: ...
+
+    def charge(self, tenant: str, tokens: int, now: float) -> None: ...
+
+    def statistics(self) -> Any: ...
+
+    def clock(self) -> float:
+        """The time `admit` and `charge` take."""
+        ...
 
 
 class Bands:
@@ -30,7 +45,7 @@ class Bands:
     def __init__(
         self,
         bands: Iterable[Band],
-        tenants: TenantLimiter,
+        tenants: Limiter,
         on_refused: Callable[[str, str], None],
     ) -> None:
         """`on_refused(tenant, reason)`: counts a refusal (the tenant metrics)."""
@@ -83,7 +98,7 @@ class Bands:
                     ", ".join(self._bands),
                 )
         if refused is None:
-            refused = self._tenants.admit(tenant, limits, trio.current_time())
+            refused = self._tenants.admit(tenant, limits, self._tenants.clock())
         if refused is None:
             return
         self._on_refused(tenant, refused.reason)

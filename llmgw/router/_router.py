@@ -46,11 +46,11 @@ from llmgw.router._config import RouterConfig
 from llmgw.router._explain import EXPLAIN_HEADER, AdminKey, explanation
 from llmgw.router._fleet import Fleet, Model
 from llmgw.router._keys import CachedKeys, KeyStore
+from llmgw.router._leases import BudgetSource, supply_leases, tenant_limiter
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._record import Ask, Prompt, Record
 from llmgw.router._scraper import EndpointState, Scraper
 from llmgw.router._surface import HttpError, Route
-from llmgw.router._tenants import TenantLimiter
 from llmgw.router._tenants import share as share
 from llmgw.router._traffic import Versions, renamed, with_version
 from llmgw.router._types import EndpointSource
@@ -95,9 +95,10 @@ class Router:
         worker: int = 0,
         admin_key: str | None = None,
         usage: UsageSink | None = None,
+        budget: BudgetSource | None = None,
     ) -> None:
-        """`worker`: this process's index among `config.workers` (its share of the limits,
-        tenants' included: each of N workers admits a tenant's limit / N).
+        """`worker`: this process's index among `config.workers` (its share of the limits;
+        tenants' too without a `budget`: llmgw/router/_leases.py tenant_limiter).
         `admin_key`: the key whose requests may ask `x-llmgw-explain: 1`.
         `usage`: where counted usage is flushed (the control plane's store); None: it is
         counted (`meter`) and never sent anywhere."""
@@ -117,7 +118,7 @@ class Router:
         self._use_prefix = config.policy == "prefix"
         self._admin = AdminKey(admin_key)
         self._affinity = config.affinity_header.lower().encode() if config.affinity_header else None
-        self.tenants = TenantLimiter(worker=worker, workers=config.workers)
+        self.tenants, self._budget = tenant_limiter(worker, config.workers, budget), budget
         self.meter = UsageMeter()
         self._usage_sink = usage
         self._ids = itertools.count(1)
@@ -210,6 +211,7 @@ class Router:
             nursery.start_soon(self.wedges.run)
             if self._usage_sink is not None:
                 nursery.start_soon(self._flush_usage, self._usage_sink)
+            nursery.start_soon(supply_leases, self.tenants, self._budget, self.worker)
             task_status.started()
 
     async def _flush_usage(self, sink: UsageSink) -> None:
@@ -300,15 +302,13 @@ class Router:
     def _metered(self, record: Record) -> None:
         """A request its tenant's limits let through has finished, however it ended: its
         tokens (those its answer reported; unknown adds 0) go to the meter, the tenant's
-        token bucket and the tenant's metrics."""
+        tokens limit (settling what it reserved) and the tenant's metrics."""
         tenant = record.tenant
         assert tenant is not None
         prompt, completion = record.prompt_tokens, record.completion_tokens
         self.meter.add(time.time(), tenant, record.key_id, record.model, prompt, completion)
         self.metrics.tenant_finished(tenant, prompt, completion)
-        spent = (prompt or 0) + (completion or 0)
-        if spent:
-            self.tenants.charge(tenant, spent, trio.current_time())
+        self.tenants.charge(tenant, (prompt or 0) + (completion or 0), self.tenants.clock())
 
     async def _list_models(self, scope: Scope, send: Send, record: Record) -> None:
         key = await self._authenticate(scope)

@@ -66,6 +66,14 @@ _SQLITE_MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE rollouts (
         model TEXT PRIMARY KEY, body TEXT NOT NULL, at REAL NOT NULL);
     """,
+    # 5 (after 4 on merge): tenants' per-minute budgets leased to the routers
+    # (llmgw/store/_budget.py), and when each router last leased.
+    """
+    CREATE TABLE rate_budget (
+        tenant TEXT NOT NULL, kind TEXT NOT NULL, win INTEGER NOT NULL,
+        taken INTEGER NOT NULL, PRIMARY KEY (tenant, kind, win));
+    CREATE TABLE rate_routers (router TEXT PRIMARY KEY, seen_at REAL NOT NULL);
+    """,
 )
 _PG_MIGRATIONS: tuple[str, ...] = (
     """
@@ -105,6 +113,14 @@ _PG_MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE rollouts (
         model TEXT PRIMARY KEY, body TEXT NOT NULL, at DOUBLE PRECISION NOT NULL);
+    """,
+    # 5 (after 4 on merge): tenants' per-minute budgets leased to the routers
+    # (llmgw/store/_budget.py), and when each router last leased.
+    """
+    CREATE TABLE rate_budget (
+        tenant TEXT NOT NULL, kind TEXT NOT NULL, win BIGINT NOT NULL,
+        taken BIGINT NOT NULL, PRIMARY KEY (tenant, kind, win));
+    CREATE TABLE rate_routers (router TEXT PRIMARY KEY, seen_at DOUBLE PRECISION NOT NULL);
     """,
 )
 _PG_MIGRATE_LOCK = 0x6C6C6D67  # "llmg": the advisory lock that serializes migrations

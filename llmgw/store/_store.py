@@ -11,16 +11,17 @@ newest (llmgw/store/_schema.py) and refuse a newer one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import trio
 
 from llmgw.errors import ConfigError
-from llmgw.keys import ApiKey, UsageRow
+from llmgw.keys import ApiKey, BudgetAsk, BudgetLeases, UsageRow
 from llmgw.store._accounts import AccountStore
 from llmgw.store._audit import AuditStore
 from llmgw.store._backends import Backend, Postgres, Sqlite
+from llmgw.store._budget import BudgetStore
 from llmgw.store._lease import LeaseStore
 from llmgw.store._move import StoreMove
 from llmgw.store._nodes import NodeStore
@@ -55,6 +56,7 @@ class SqlStore:
         self._lease = LeaseStore(runner)
         self._move = StoreMove(runner)
         self._rollouts = RolloutStore(runner)
+        self._budget = BudgetStore(runner)
 
     def __repr__(self) -> str:
         return f"<SqlStore {self.where}, {self.calls} calls>"
@@ -186,6 +188,16 @@ class SqlStore:
 
     async def usage(self, tenant: str | None = None, since: float | None = None) -> list[UsageRow]:
         return await self._usage.usage(tenant, since)
+
+    # tenants' per-minute budgets, leased to the routers (_budget.py)
+
+    async def lease_budget(
+        self, router: str, now: float, asks: Sequence[BudgetAsk]
+    ) -> BudgetLeases:
+        return await self._budget.lease_budget(router, now, asks)
+
+    async def budget_taken(self, tenant: str, kind: str, window: int) -> int | None:
+        return await self._budget.budget_taken(tenant, kind, window)
 
     # moving a store (_move.py; llmgw-cp init --postgres)
 

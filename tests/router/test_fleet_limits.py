@@ -1,0 +1,240 @@
+"""Tenant limits across routers (llmgw/router/_budgets.py, _leases.py): routers leasing
+from one real store (SQLite here; PostgreSQL in tests/cp/test_budget_store.py and the
+two-control-plane test in tests/integration/test_fleet_limits.py), driven tick by tick
+on a wall clock the test sets."""
+
+from __future__ import annotations
+
+import ast
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+
+from llmgw.errors import DeadlineExceeded
+from llmgw.keys import BudgetAsk, BudgetLeases, TenantLimits
+from llmgw.router._budgets import FleetLimiter
+from llmgw.router._leases import keep_leases
+from llmgw.store import SqlStore, open_store
+
+T0 = 1_800_000_000.0  # a window's start
+RPM = TenantLimits(rpm=120)
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqlStore]:
+    s = await open_store(tmp_path / "state")
+    try:
+        yield s
+    finally:
+        await s.aclose()
+
+
+class Routers:
+    """Router processes (a `FleetLimiter` each) sharing one store, on the test's clock."""
+
+    def __init__(self, store: SqlStore, n: int) -> None:
+        self.store = store
+        self.limiters = [FleetLimiter(routers=1, clock=lambda: 0.0) for _ in range(n)]
+        self.admitted = [0] * n
+
+    async def tick(self, now: float) -> None:
+        """Each router's lease loop, once: what it plans, leased from the store."""
+        for i, lim in enumerate(self.limiters):
+            asks = lim.plan(now)
+            if asks:
+                lim.leased(asks, await self.store.lease_budget(f"r{i}", now, asks), now)
+
+    def ask(self, i: int, now: float, limits: TenantLimits = RPM) -> bool:
+        ok = self.limiters[i].admit("acme", limits, now) is None
+        self.admitted[i] += ok
+        return ok
+
+
+async def run(
+    routers: Routers, start: float, end: float, busy: Sequence[tuple[float, float]]
+) -> None:
+    """From `start` to `end`: the lease loops every 50 ms; router i asks for a request
+    every 100 ms while busy[i] = (from, to) holds."""
+    now = start
+    step = 0
+    while now < end:
+        await routers.tick(now)
+        if step % 2 == 0:
+            for i, (a, b) in enumerate(busy):
+                if a <= now - start < b:
+                    routers.ask(i, now)
+        step += 1
+        now = start + step * 0.05
+
+
+async def test_two_busy_routers_admit_the_limit_between_them(store: SqlStore) -> None:
+    routers = Routers(store, 2)
+    # Each asks 10 a second (1,200 a minute together) against 120 a minute.
+    await run(routers, T0, T0 + 60, [(0, 60), (0, 60)])
+    total = sum(routers.admitted)
+    # Exactly the limit, plus at most one request on credit per router (the first of the
+    # window, before its first lease came back).
+    assert 120 <= total <= 122, routers.admitted
+    assert min(routers.admitted) >= 40, routers.admitted  # both got a fair part
+    assert await store.budget_taken("acme", "rpm", int(T0 // 60)) == 120
+    assert routers.limiters[0].routers == 2  # the store counted both
+    # The next window starts afresh: its leases were taken ahead in the last 2 s.
+    await run(routers, T0 + 60, T0 + 120, [(0, 60), (0, 60)])
+    assert 240 <= sum(routers.admitted) <= 244, routers.admitted
+
+
+async def test_an_idle_router_gives_back_what_it_holds_and_the_busy_one_uses_it(
+    store: SqlStore,
+) -> None:
+    routers = Routers(store, 2)
+    # r0 is busy for 5 s (about 50 requests' demand), then idle; r1 from 10 s on.
+    await run(routers, T0, T0 + 60, [(0, 5), (10, 60)])
+    a, b = routers.admitted
+    assert 119 <= a + b <= 122, routers.admitted  # nothing stranded in r0's lease
+    assert routers.limiters[0].statistics()["tenants"]["acme"]["rpm"]["held"] == 0  # type: ignore[index]
+    assert a >= 40 and b >= 60, routers.admitted
+
+
+async def test_refusals_say_when_the_budget_comes_back(store: SqlStore) -> None:
+    routers = Routers(store, 1)
+    lim = routers.limiters[0]
+    await run(routers, T0, T0 + 30, [(0, 30)])
+    assert routers.admitted == [120]
+    refused = lim.admit("acme", RPM, T0 + 30.2)
+    assert refused is not None and refused.reason == "rpm"
+    assert refused.retry_after_s == 30  # the window ends at T0 + 60
+    assert refused.message == "tenant acme: over its 120 requests per minute; retry in 30 s"
+    # A router whose lease is still on its way (not spent): come back in a second.
+    fresh = FleetLimiter(clock=lambda: 0.0)
+    assert fresh.admit("acme", RPM, T0) is None  # the window's first, on credit
+    waiting = fresh.admit("acme", RPM, T0 + 0.01)
+    assert waiting is not None and waiting.retry_after_s == 1
+    assert fresh.statistics()["credited"] == 1
+
+
+async def test_with_the_store_down_each_router_admits_its_part_of_the_limit(
+    store: SqlStore,
+) -> None:
+    routers = Routers(store, 2)
+    await run(routers, T0, T0 + 1, [(0, 1), (0, 1)])  # both leased: the store counts 2
+    lim = routers.limiters[0]
+    assert lim.routers == 2
+    lim.lease_failed(lim.plan(T0 + 60), T0 + 60)  # the next window: the store is down
+    admitted = sum(lim.admit("acme", RPM, T0 + 60 + i / 100) is None for i in range(200))
+    assert admitted == 60  # 120 / 2 routers, for this window
+    refused = lim.admit("acme", RPM, T0 + 70)
+    assert refused is not None and refused.retry_after_s == 50
+    assert lim.statistics()["fallback_admitted"] == 60
+    # One that never reached the store splits the limit between its own workers.
+    alone = FleetLimiter(routers=4, clock=lambda: 0.0)
+    alone.lease_failed([], T0)
+    assert sum(alone.admit("acme", RPM, T0 + i / 100) is None for i in range(100)) == 30
+
+
+async def test_a_lease_that_does_not_come_back_counts_as_the_store_down() -> None:
+    lim = FleetLimiter(clock=lambda: 0.0)
+    assert lim.admit("acme", RPM, T0) is None  # on credit
+    assert lim.plan(T0)  # a lease goes out, and hangs (a frozen store)
+    assert lim.admit("acme", RPM, T0 + 0.5) is not None  # still on its way: 429, 1 s
+    assert not lim.fallback(T0 + 0.5) and lim.fallback(T0 + 1.5)
+    admitted = sum(lim.admit("acme", RPM, T0 + 1.5 + i / 100) is None for i in range(200))
+    assert admitted == 119  # its whole part (one router known) less the one on credit
+
+
+async def test_tokens_are_reserved_at_admission_and_settled_with_the_answer(
+    store: SqlStore,
+) -> None:
+    routers = Routers(store, 1)
+    lim = routers.limiters[0]
+    tpm = TenantLimits(tpm=1000)
+    window = int(T0 // 60)
+    assert routers.ask(0, T0, tpm)  # on credit; nothing known of its tokens yet
+    lim.charge("acme", 300, T0 + 0.1)  # its answer: 300 tokens, a debt
+    await routers.tick(T0 + 0.2)  # the lease pays the debt first
+    assert await store.budget_taken("acme", "tpm", window) >= 300  # type: ignore[operator]
+    stats = lim.statistics()["tenants"]["acme"]["tpm"]  # type: ignore[index]
+    held = stats["held"]
+    assert held > 0
+    # The next request reserves the tenant's 300 tokens per request at admission...
+    assert routers.ask(0, T0 + 0.3, tpm)
+    assert lim.statistics()["tenants"]["acme"]["tpm"]["held"] == held - 300  # type: ignore[index]
+    # ... and its answer of 100 gives 200 back.
+    lim.charge("acme", 100, T0 + 0.4)
+    assert lim.statistics()["tenants"]["acme"]["tpm"]["held"] == held - 100  # type: ignore[index]
+    # Over a window, what the store granted covers every token charged, and is the limit.
+    spent = 400
+    now = T0 + 0.5
+    while now < T0 + 59:
+        await routers.tick(now)
+        if routers.ask(0, now, tpm):
+            lim.charge("acme", 100, now + 0.01)
+            spent += 100
+        now += 0.1
+    assert await store.budget_taken("acme", "tpm", window) == 1000
+    assert 1000 <= spent <= 1000 + 100 + 300, spent  # at most the last answer over
+
+
+class _Flaky:
+    """A budget source that fails while `down`, else leases from the real store."""
+
+    def __init__(self, store: SqlStore) -> None:
+        self.store = store
+        self.down = True
+        self.calls = 0
+
+    async def lease_budget(
+        self, router: str, now: float, asks: Sequence[BudgetAsk]
+    ) -> BudgetLeases:
+        self.calls += 1
+        if self.down:
+            raise DeadlineExceeded("store postgresql://db/llmgw: no answer in 10 s")
+        return await self.store.lease_budget(router, now, asks)
+
+
+async def until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not check():
+            await trio.sleep(0.02)
+
+
+async def test_the_lease_loop_falls_back_while_the_store_fails_and_resumes(
+    store: SqlStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    wall = lambda: T0 + 10 + trio.current_time() % 30  # noqa: E731 - inside one window
+    lim = FleetLimiter(routers=2, clock=wall)
+    source = _Flaky(store)
+    caplog.set_level(logging.WARNING, "llmgw.router.leases")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(keep_leases, lim, source, "r0", clock=wall, retry_s=0.2))
+        assert lim.admit("acme", RPM, wall()) is None  # on credit
+        await until("the first lease fails", lambda: lim.store_ok is False)
+        assert lim.fallback(wall())
+        assert "cannot lease budgets from the store (store postgresql://db/llmgw: no answer" in (
+            caplog.text
+        )
+        assert "admits its own part of every limit (1/2)" in caplog.text
+        assert sum(lim.admit("acme", RPM, wall()) is None for _ in range(100)) == 59  # 60 - 1
+        source.down = False
+        await until("a lease comes back", lambda: lim.store_ok is True)
+        assert "the store answers again" in caplog.text
+        nursery.cancel_scope.cancel()
+
+
+def test_the_limiter_does_no_io() -> None:
+    source = Path(__file__).parents[2] / "llmgw" / "router" / "_budgets.py"
+    tree = ast.parse(source.read_text())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    } | {
+        (node.module or "").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+    }
+    assert not imported & {"trio", "socket", "capnp", "httpx", "os", "pathlib", "time"}
