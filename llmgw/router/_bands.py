@@ -11,8 +11,7 @@ tenant's ceiling (403) or a request over its requests or tokens per minute
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Iterable
 
 from llmgw.core import Band
 from llmgw.keys import ApiKey, TenantLimits
@@ -24,34 +23,21 @@ log = logging.getLogger("llmgw.router")
 PRIORITY_HEADER = b"x-llmgw-priority"
 
 
-class Limiter(Protocol):
-    """A tenant's requests and tokens per minute: this process's buckets
-    (llmgw/router/_tenants.py) or the fleet's leased budgets (llmgw/router/_budgets.py)."""
-
-    def admit(self, tenant: str, limits: TenantLimits | None, now: float) -> Refused | None: ...
-
-    def charge(self, tenant: str, tokens: int, now: float) -> None: ...
-
-    def statistics(self) -> Any: ...
-
-    def clock(self) -> float:
-        """The time `admit` and `charge` take."""
-        ...
-
-
 class Bands:
     """The configured bands, and the tenant limits applied to a request's band."""
 
     def __init__(
         self,
         bands: Iterable[Band],
-        tenants: Limiter,
+        admit: Callable[[str, TenantLimits], Awaitable[Refused | None]],
         on_refused: Callable[[str, str], None],
     ) -> None:
-        """`on_refused(tenant, reason)`: counts a refusal (the tenant metrics)."""
+        """`admit(tenant, limits)`: the tenant's requests and tokens per minute
+        (llmgw/router/_leases.py TenantAdmission); `on_refused(tenant, reason)`: counts a
+        refusal (the tenant metrics)."""
         self._bands = {b.name: b for b in bands}
         self._ranks = {b.name: b.rank for b in self._bands.values()}
-        self._tenants = tenants
+        self._admit = admit
         self._on_refused = on_refused
         self._unknown_ceilings: set[tuple[str, str]] = set()  # logged once each
 
@@ -78,7 +64,7 @@ class Bands:
             band = cap
         return band
 
-    def admit_tenant(self, key: ApiKey, band: Band) -> None:
+    async def admit_tenant(self, key: ApiKey, band: Band) -> None:
         """The tenant's band ceiling (403) and its requests and tokens per minute (429)."""
         limits = key.limits
         if limits is None:
@@ -98,7 +84,7 @@ class Bands:
                     ", ".join(self._bands),
                 )
         if refused is None:
-            refused = self._tenants.admit(tenant, limits, self._tenants.clock())
+            refused = await self._admit(tenant, limits)
         if refused is None:
             return
         self._on_refused(tenant, refused.reason)

@@ -19,7 +19,8 @@ granted and has not spent (`held`), and decides:
 - the first request of a window, before any lease has come back, on credit (at most
   one per router, kind and window: the only way past a limit while the store answers);
 - refused once the store said the window's budget is spent: Retry-After is the seconds
-  to the next window; while a lease is on its way: Retry-After 1;
+  to the next window; while a lease is on its way, refused with `leasing` set (the
+  caller, llmgw/router/_leases.py, waits a moment for it and asks `again`), Retry-After 1;
 - while the store is out of reach (the last lease failed, or has not come back within
   `STORE_SLOW_S`): up to `fallback_share` of the limit per window, the limit split
   between the router processes the store last counted (its own control plane's
@@ -184,9 +185,13 @@ class FleetLimiter:
 
     # --- the request path ---------------------------------------------------------------
 
-    def admit(self, tenant: str, limits: TenantLimits | None, now: float) -> Refused | None:
+    def admit(
+        self, tenant: str, limits: TenantLimits | None, now: float, *, again: bool = False
+    ) -> Refused | None:
         """Take one request (and the tenant's recent tokens per request) from its leases;
-        a Refused, and nothing taken, when either kind refuses."""
+        a Refused, and nothing taken, when either kind refuses (`leasing` when neither
+        kind's budget is spent: a lease on its way may admit it). `again`: the same
+        request asks again after waiting for a lease (its demand is counted once)."""
         self._prune(now)
         if limits is None or (limits.rpm is None and limits.tpm is None):
             return None
@@ -203,7 +208,7 @@ class FleetLimiter:
             if limit is None:
                 continue
             led = self._ledger(tenant, kind, limit, window, now)
-            if kind == "rpm":
+            if kind == "rpm" and not again:
                 led.want(now, 1.0)
             else:
                 led.wanted_at = max(led.wanted_at, now)  # its rate is the tokens charged
@@ -214,7 +219,8 @@ class FleetLimiter:
                 continue
             wait = window_left_s(now) if verdict == "spent" else 1.0
             reason: Reason = "rpm" if kind == "rpm" else "tpm"
-            waits.append((wait, Refused(tenant, reason, limit, retry_seconds(wait))))
+            leasing = verdict == "leasing"
+            waits.append((wait, Refused(tenant, reason, limit, retry_seconds(wait), None, leasing)))
         if waits:
             return max(waits, key=lambda w: w[0])[1]
         for led, need, on_credit in admitted:

@@ -96,6 +96,7 @@ class Refused:
     limit: int | str  # the tenant's figure (its whole per-minute limit), or its highest band
     retry_after_s: int | None  # whole seconds, >= 1; None for the band and a 0 limit
     asked: str | None = None  # the band asked, for "band"
+    leasing: bool = False  # the fleet's budget is not spent: a lease is on its way
 
     @property
     def message(self) -> str:

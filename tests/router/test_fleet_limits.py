@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import ast
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
+from prometheus_client import generate_latest
 
 from llmgw.errors import DeadlineExceeded
-from llmgw.keys import BudgetAsk, BudgetLeases, TenantLimits
+from llmgw.keys import ApiKey, BudgetAsk, BudgetLeases, TenantLimits
 from llmgw.router._budgets import FleetLimiter
-from llmgw.router._leases import keep_leases
+from llmgw.router._keys import StaticKeys
+from llmgw.router._leases import TenantAdmission
 from llmgw.store import SqlStore, open_store
+from router.conftest import FakeEngine, sample, serve_router
 
 T0 = 1_800_000_000.0  # a window's start
 RPM = TenantLimits(rpm=120)
@@ -205,11 +209,13 @@ async def test_the_lease_loop_falls_back_while_the_store_fails_and_resumes(
     store: SqlStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     wall = lambda: T0 + 10 + trio.current_time() % 30  # noqa: E731 - inside one window
-    lim = FleetLimiter(routers=2, clock=wall)
     source = _Flaky(store)
+    tenants = TenantAdmission(0, 2, source, clock=wall, retry_s=0.2)
+    lim = tenants.limiter
+    assert isinstance(lim, FleetLimiter)
     caplog.set_level(logging.WARNING, "llmgw.router.leases")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(partial(keep_leases, lim, source, "r0", clock=wall, retry_s=0.2))
+        nursery.start_soon(tenants.run)
         assert lim.admit("acme", RPM, wall()) is None  # on credit
         await until("the first lease fails", lambda: lim.store_ok is False)
         assert lim.fallback(wall())
@@ -222,6 +228,87 @@ async def test_the_lease_loop_falls_back_while_the_store_fails_and_resumes(
         await until("a lease comes back", lambda: lim.store_ok is True)
         assert "the store answers again" in caplog.text
         nursery.cancel_scope.cancel()
+
+
+def _chat_key(rpm: int) -> StaticKeys:
+    limits = TenantLimits(rpm=rpm)
+    return StaticKeys(
+        [
+            (
+                "secret-acme",
+                ApiKey("key-acme", "acme", None, "interactive", "interactive", 0.0, limits=limits),
+            )
+        ]
+    )
+
+
+async def _away_from_a_minute_turn() -> None:
+    """Requests of one test fall in one window: not within 5 s of the next minute."""
+    left = 60 - time.time() % 60
+    if left < 5:
+        await trio.sleep(left + 0.1)
+
+
+async def test_through_the_router_a_limit_is_leased_from_the_store_and_refused_past_it(
+    store: SqlStore, start_engine: Callable[..., FakeEngine]
+) -> None:
+    fe = start_engine("chat")
+    await _away_from_a_minute_turn()
+    async with (
+        serve_router([fe.endpoint()], keys=_chat_key(5), budget=store) as r,
+        httpx.AsyncClient(timeout=30) as h,
+    ):
+        lim = r.router.tenants.limiter
+        assert isinstance(lim, FleetLimiter)
+        url = r.base_url + "/chat/completions"
+        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+        auth = {"Authorization": "Bearer secret-acme"}
+        # Back to back: the first on credit, the others from leases, waiting a moment for
+        # one on its way rather than refused while the tenant is under its limit.
+        codes = [(await h.post(url, headers=auth, json=body)).status_code for _ in range(7)]
+        assert codes == [200] * 5 + [429] * 2
+        assert lim.statistics()["credited"] == 1
+        text = generate_latest(r.router.metrics_registry).decode()
+        assert sample(text, "llmgw_router_tenant_budget_store_ok") == 1
+        answered = sample(text, "llmgw_router_tenant_budget_leases_total", outcome="answered")
+        assert answered is not None and answered >= 2
+        over = await h.post(url, headers=auth, json=body)
+        assert over.status_code == 429
+        wait = int(over.headers["retry-after"])
+        assert abs(wait - (60 - time.time() % 60)) <= 1.5
+        assert over.json()["error"]["message"] == (
+            f"tenant acme: over its 5 requests per minute; retry in {wait} s"
+        )
+        assert await store.budget_taken("acme", "rpm", int(time.time() // 60)) == 5
+
+
+async def test_through_the_router_with_the_store_down_each_worker_admits_its_part(
+    store: SqlStore, start_engine: Callable[..., FakeEngine]
+) -> None:
+    fe = start_engine("chat")
+    source = _Flaky(store)  # down from the start: this router never reached the store
+    await _away_from_a_minute_turn()
+    async with (
+        serve_router([fe.endpoint()], keys=_chat_key(6), budget=source, workers=2) as r,
+        httpx.AsyncClient(timeout=30) as h,
+    ):
+        lim = r.router.tenants.limiter
+        assert isinstance(lim, FleetLimiter)
+        url = r.base_url + "/chat/completions"
+        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+        auth = {"Authorization": "Bearer secret-acme"}
+        assert (await h.post(url, headers=auth, json=body)).status_code == 200  # on credit
+        await until("the first lease fails", lambda: lim.store_ok is False)
+        codes = [(await h.post(url, headers=auth, json=body)).status_code for _ in range(4)]
+        assert codes == [200, 200, 429, 429]  # 6 / 2 workers = 3 this minute, on its own
+        assert source.calls >= 1
+        text = generate_latest(r.router.metrics_registry).decode()
+        assert sample(text, "llmgw_router_tenant_budget_store_ok") == 0
+        assert sample(text, "llmgw_router_tenant_budget_fallback_admitted_total") == 2
+        assert sample(text, "llmgw_router_tenant_budget_credited_total") == 1
+        assert sample(text, "llmgw_router_tenant_budget_leases_total", outcome="answered") == 0
+        failed = sample(text, "llmgw_router_tenant_budget_leases_total", outcome="failed")
+        assert failed is not None and failed >= 1
 
 
 def test_the_limiter_does_no_io() -> None:
