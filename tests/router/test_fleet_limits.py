@@ -8,16 +8,20 @@ from __future__ import annotations
 import ast
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
+from hypothesis import example, given
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
+from llmgw.core import grant_budget, restore_budget
 from llmgw.errors import DeadlineExceeded
-from llmgw.keys import ApiKey, BudgetAsk, BudgetLeases, TenantLimits
+from llmgw.keys import ApiKey, BudgetAsk, BudgetGrant, BudgetLeases, TenantLimits
 from llmgw.router._budgets import FleetLimiter
 from llmgw.router._keys import StaticKeys
 from llmgw.router._leases import TenantAdmission
@@ -73,6 +77,57 @@ async def run(
                     routers.ask(i, now)
         step += 1
         now = start + step * 0.05
+
+
+class _Rule:
+    """The store's lease rule (core/_budget.py, as llmgw/store/_budget.py applies it) in a
+    dict, for a property over thousands of schedules."""
+
+    def __init__(self) -> None:
+        self.taken: dict[tuple[str, str, int], int] = {}
+        self.seen: set[str] = set()
+
+    def lease(self, router: str, asks: Sequence[BudgetAsk]) -> BudgetLeases:
+        self.seen.add(router)
+        grants = []
+        for a in asks:
+            key = (a.tenant, a.kind, a.window)
+            taken = restore_budget(self.taken.get(key, 0), a.give_back)
+            got = grant_budget(a.limit, taken, a.ask)
+            self.taken[key] = taken + got
+            grants.append(BudgetGrant(got, taken + got))
+        return BudgetLeases(tuple(grants), len(self.seen))
+
+
+@given(
+    routers=st.integers(1, 4),
+    rpm=st.integers(1, 40),
+    # Gaps up to 1.5 s: tens of events in a window, asks and the lease loops interleaved.
+    events=st.lists(
+        st.tuples(st.integers(0, 3), st.floats(0, 1.5), st.sampled_from(["ask", "lease"])),
+        max_size=300,
+    ),
+)
+@example(routers=1, rpm=1, events=[(0, 0.0, "ask")] * 4)
+def test_routers_together_never_admit_more_than_the_limit_plus_one_credit_each(
+    routers: int, rpm: int, events: list[tuple[int, float, str]]
+) -> None:
+    rule = _Rule()
+    lims = [FleetLimiter(routers=routers, clock=lambda: 0.0) for _ in range(routers)]
+    admitted: Counter[int] = Counter()
+    now = T0
+    for who, gap, what in events:
+        now += gap
+        lim = lims[who % routers]
+        if what == "lease":
+            asks = lim.plan(now)
+            if asks:
+                lim.leased(asks, rule.lease(f"r{who % routers}", asks), now)
+        elif lim.admit("acme", TenantLimits(rpm=rpm), now) is None:
+            admitted[int(now // 60)] += 1
+    for window, n in admitted.items():
+        assert n <= rpm + routers, (window, n)  # one request on credit per router
+        assert rule.taken.get(("acme", "rpm", window), 0) <= rpm
 
 
 async def test_two_busy_routers_admit_the_limit_between_them(store: SqlStore) -> None:
