@@ -24,6 +24,9 @@ from llmgw.errors import UsageError
 __all__ = [
     "SECRET_PREFIX",
     "ApiKey",
+    "BudgetAsk",
+    "BudgetGrant",
+    "BudgetLeases",
     "TenantLimits",
     "UsageRow",
     "digest",
@@ -94,6 +97,34 @@ def new_key(
         name=name,
     )
     return key, new_secret()
+
+
+@attrs.frozen
+class BudgetAsk:
+    """One router's lease on a tenant's budget for one window (llmgw/core/_budget.py):
+    it gives back `give_back` (held, not used) first, then asks for `ask` more."""
+
+    tenant: str
+    kind: str  # "rpm" (requests) or "tpm" (tokens)
+    window: int  # minutes since the epoch
+    limit: int  # the tenant's limit of that kind, as the router knows it
+    ask: int = 0
+    give_back: int = 0
+
+
+@attrs.frozen
+class BudgetGrant:
+    granted: int  # of what was asked
+    taken: int  # the window's budget taken by every router, after this lease
+
+
+@attrs.frozen
+class BudgetLeases:
+    """The store's answer to a batch of `BudgetAsk`s: a grant for each, in order, and how
+    many router processes took budget within `ROUTER_SEEN_S` (this one included)."""
+
+    grants: tuple[BudgetGrant, ...]
+    routers: int
 
 
 @attrs.frozen

@@ -297,7 +297,9 @@ async def assemble(
     publisher = EndpointPublisher(store, routed, registry.acting, lambda: registry.epoch)
     keys = StoreKeys(store)
     admin_key = read_admin_key(key_path)
-    router = Router(router_cfg or RouterConfig(), routed, keys, admin_key=admin_key, usage=store)
+    router = Router(
+        router_cfg or RouterConfig(), routed, keys, admin_key=admin_key, usage=store, budget=store
+    )
     workers = router.config.workers if cfg.router_listen is not None else 1
     # Workers 1..N-1 run in processes of their own (llmgw/cp/_workers.py); this one is 0.
     # Each opens the store itself (SQLite in WAL mode, or PostgreSQL) to read keys.

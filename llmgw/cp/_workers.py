@@ -3,7 +3,8 @@
 The control plane keeps worker 0 in its own process, as with one worker, and
 starts N-1 worker processes (`python -m llmgw.cp._worker`), each listening on
 router_listen with SO_REUSEPORT, so the kernel spreads connections between
-them; each admits its `share()` of the limits. They talk to the control plane
+them; each admits its `share()` of the model limits (tenants' limits are leased from
+the store by each worker: llmgw/router/_budgets.py). They talk to the control plane
 over one Unix socket in state_dir (`router.sock`, mode 0600), one connection per
 worker, JSON lines both ways:
 
@@ -334,7 +335,15 @@ async def run_worker(
         store = await open_store(setup["store"])
         keys = StoreKeys(store)
         admin_key = read_admin_key(Path(setup["admin_key"])) if "admin_key" in setup else None
-        router = Router(router_cfg, source, keys, worker=index, admin_key=admin_key, usage=store)
+        router = Router(
+            router_cfg,
+            source,
+            keys,
+            worker=index,
+            admin_key=admin_key,
+            usage=store,
+            budget=store,
+        )
         seen: set[str] = set()
 
         async def report() -> None:

@@ -2,7 +2,8 @@
 
 The band is the `X-LLMGW-Priority` header's, else the key's default, and never
 above the key's highest (`max_band`: a higher one is lowered to it). The
-tenant's limits (llmgw/router/_tenants.py) then refuse a band above the
+tenant's limits (llmgw/router/_tenants.py in one process, llmgw/router/_budgets.py
+across the fleet) then refuse a band above the
 tenant's ceiling (403) or a request over its requests or tokens per minute
 (429, with Retry-After).
 """
@@ -10,14 +11,12 @@ tenant's ceiling (403) or a request over its requests or tokens per minute
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-
-import trio
+from collections.abc import Awaitable, Callable, Iterable
 
 from llmgw.core import Band
-from llmgw.keys import ApiKey
+from llmgw.keys import ApiKey, TenantLimits
 from llmgw.router import _surface
-from llmgw.router._tenants import Refused, TenantLimiter, ceiling
+from llmgw.router._tenants import Refused, ceiling
 
 log = logging.getLogger("llmgw.router")
 
@@ -30,13 +29,15 @@ class Bands:
     def __init__(
         self,
         bands: Iterable[Band],
-        tenants: TenantLimiter,
+        admit: Callable[[str, TenantLimits], Awaitable[Refused | None]],
         on_refused: Callable[[str, str], None],
     ) -> None:
-        """`on_refused(tenant, reason)`: counts a refusal (the tenant metrics)."""
+        """`admit(tenant, limits)`: the tenant's requests and tokens per minute
+        (llmgw/router/_leases.py TenantAdmission); `on_refused(tenant, reason)`: counts a
+        refusal (the tenant metrics)."""
         self._bands = {b.name: b for b in bands}
         self._ranks = {b.name: b.rank for b in self._bands.values()}
-        self._tenants = tenants
+        self._admit = admit
         self._on_refused = on_refused
         self._unknown_ceilings: set[tuple[str, str]] = set()  # logged once each
 
@@ -63,7 +64,7 @@ class Bands:
             band = cap
         return band
 
-    def admit_tenant(self, key: ApiKey, band: Band) -> None:
+    async def admit_tenant(self, key: ApiKey, band: Band) -> None:
         """The tenant's band ceiling (403) and its requests and tokens per minute (429)."""
         limits = key.limits
         if limits is None:
@@ -83,7 +84,7 @@ class Bands:
                     ", ".join(self._bands),
                 )
         if refused is None:
-            refused = self._tenants.admit(tenant, limits, trio.current_time())
+            refused = await self._admit(tenant, limits)
         if refused is None:
             return
         self._on_refused(tenant, refused.reason)

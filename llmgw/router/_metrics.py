@@ -24,6 +24,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from llmgw.core import BreakerState
+from llmgw.router._budget_metrics import BudgetCollector, BudgetView
 
 if TYPE_CHECKING:
     from llmgw.router._fleet import FleetStatistics
@@ -59,7 +60,10 @@ WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0
 
 
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry, fleet: FleetView) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, fleet: FleetView, budgets: BudgetView | None = None
+    ) -> None:
+        """`budgets`: the router's tenant budgets (their gauges and counters)."""
         self.registry = registry
         self.requests = Counter(
             "llmgw_router_requests",
@@ -177,6 +181,8 @@ class RouterMetrics:
             registry=registry,
         )
         registry.register(_StateCollector(fleet))
+        if budgets is not None:
+            registry.register(BudgetCollector(budgets))
         self._tenant: dict[str, tuple[Any, Any, Any]] = {}
         self._req: dict[tuple[str, int, str], Any] = {}
         self._dur: dict[str, Any] = {}

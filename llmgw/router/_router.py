@@ -46,12 +46,12 @@ from llmgw.router._config import RouterConfig
 from llmgw.router._explain import EXPLAIN_HEADER, AdminKey, explanation
 from llmgw.router._fleet import Fleet, Model
 from llmgw.router._keys import CachedKeys, KeyStore
+from llmgw.router._leases import BudgetSource, TenantAdmission
 from llmgw.router._metering import ask_usage
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._record import Ask, Prompt, Record
 from llmgw.router._scraper import EndpointState, Scraper
 from llmgw.router._surface import HttpError, Route
-from llmgw.router._tenants import TenantLimiter
 from llmgw.router._tenants import share as share
 from llmgw.router._traffic import Versions, renamed, with_version
 from llmgw.router._types import EndpointSource
@@ -96,9 +96,10 @@ class Router:
         worker: int = 0,
         admin_key: str | None = None,
         usage: UsageSink | None = None,
+        budget: BudgetSource | None = None,
     ) -> None:
-        """`worker`: this process's index among `config.workers` (its share of the limits,
-        tenants' included: each of N workers admits a tenant's limit / N).
+        """`worker`: this process's index among `config.workers` (its share of the limits;
+        tenants' too without a `budget`: llmgw/router/_leases.py TenantAdmission).
         `admin_key`: the key whose requests may ask `x-llmgw-explain: 1`.
         `usage`: where counted usage is flushed (the control plane's store); None: it is
         counted (`meter`) and never sent anywhere."""
@@ -118,15 +119,15 @@ class Router:
         self._use_prefix = config.policy == "prefix"
         self._admin = AdminKey(admin_key)
         self._affinity = config.affinity_header.lower().encode() if config.affinity_header else None
-        self.tenants = TenantLimiter(worker=worker, workers=config.workers)
+        self.tenants = TenantAdmission(worker, config.workers, budget)
         self.meter = UsageMeter()
         self._usage_sink = usage
         self._ids = itertools.count(1)
         self.fleet = Fleet(config, endpoints, worker=worker, rng=rng)
         self.metrics_registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = RouterMetrics(self.metrics_registry, self.fleet)
+        self.metrics = RouterMetrics(self.metrics_registry, self.fleet, self.tenants)
         self._versions = Versions(self.fleet, self.metrics)
-        self._bands = Bands(config.bands, self.tenants, self.metrics.tenant_refused)
+        self._bands = Bands(config.bands, self.tenants.admit, self.metrics.tenant_refused)
         self._attempts = Attempts(
             self.fleet,
             self.metrics,
@@ -211,6 +212,7 @@ class Router:
             nursery.start_soon(self.wedges.run)
             if self._usage_sink is not None:
                 nursery.start_soon(self._flush_usage, self._usage_sink)
+            nursery.start_soon(self.tenants.run)  # the fleet's budgets leased from the store
             task_status.started()
 
     async def _flush_usage(self, sink: UsageSink) -> None:
@@ -301,15 +303,13 @@ class Router:
     def _metered(self, record: Record) -> None:
         """A request its tenant's limits let through has finished, however it ended: its
         tokens (those its answer reported; unknown adds 0) go to the meter, the tenant's
-        token bucket and the tenant's metrics."""
+        tokens limit (settling what it reserved) and the tenant's metrics."""
         tenant = record.tenant
         assert tenant is not None
         prompt, completion = record.prompt_tokens, record.completion_tokens
         self.meter.add(time.time(), tenant, record.key_id, record.model, prompt, completion)
         self.metrics.tenant_finished(tenant, prompt, completion)
-        spent = (prompt or 0) + (completion or 0)
-        if spent:
-            self.tenants.charge(tenant, spent, trio.current_time())
+        self.tenants.charge(tenant, (prompt or 0) + (completion or 0))
 
     async def _list_models(self, scope: Scope, send: Send, record: Record) -> None:
         key = await self._authenticate(scope)
@@ -432,7 +432,7 @@ class Router:
             raise _surface.model_not_allowed(key.key_id, wanted)
         band = self._bands.band(scope["headers"], key)
         record.band = band.name
-        self._bands.admit_tenant(key, band)
+        await self._bands.admit_tenant(key, band)
         record.tenant, record.key_id = key.tenant, key.key_id
         if not model.endpoints:
             raise _surface.no_replica(name)

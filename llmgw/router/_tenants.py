@@ -9,9 +9,10 @@ token bucket may go below zero: it then refuses until it has refilled to zero.
 A bucket's capacity is the per-minute figure and it refills continuously at
 capacity / 60 per second; a limit of 0 admits nothing (429 with no Retry-After: waiting
 will not help). With router workers (N processes on one port) each
-process enforces its `share` of every limit (below; the router's own limits too):
-the tenant's limits hold per control plane, spread over its workers by the
-kernel's choice of connection; two control planes each admit the whole limit.
+process enforces its `share` of every limit (below; the router's own limits too),
+spread over its workers by the kernel's choice of connection. This is router-only
+mode's limiter (no store); a router with the control plane's store holds tenants'
+limits across the whole fleet instead (llmgw/router/_budgets.py).
 
 State is per tenant and bounded: a tenant not seen for `idle_s` whose buckets
 have refilled is dropped (a fresh bucket is full, so nothing is forgiven).
@@ -20,7 +21,7 @@ have refilled is dropped (a fresh bucket is full, so nothing is forgiven).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Literal
 
 import attrs
@@ -95,6 +96,7 @@ class Refused:
     limit: int | str  # the tenant's figure (its whole per-minute limit), or its highest band
     retry_after_s: int | None  # whole seconds, >= 1; None for the band and a 0 limit
     asked: str | None = None  # the band asked, for "band"
+    leasing: bool = False  # the fleet's budget is not spent: a lease is on its way
 
     @property
     def message(self) -> str:
@@ -146,7 +148,16 @@ class _Tenant:
 class TenantLimiter:
     """Every tenant's buckets in this router process (its `worker` of `workers`)."""
 
-    def __init__(self, *, worker: int = 0, workers: int = 1, idle_s: float = IDLE_S) -> None:
+    def __init__(
+        self,
+        *,
+        worker: int = 0,
+        workers: int = 1,
+        idle_s: float = IDLE_S,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """`clock`: the monotonic clock its callers pass (the router's: trio's)."""
+        self.clock = clock or _no_clock
         self.worker = worker
         self.workers = workers
         self.idle_s = idle_s
@@ -232,3 +243,7 @@ def _idle(t: _Tenant, now: float, idle_s: float) -> bool:
 def _limit(value: int | None) -> int:
     assert value is not None
     return value
+
+
+def _no_clock() -> float:
+    raise RuntimeError("TenantLimiter: no clock was given; pass clock= (callers pass the time)")

@@ -74,6 +74,14 @@ _SQLITE_MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE admin_sessions (
         sid_sha256 BLOB PRIMARY KEY, expires_at REAL NOT NULL);
     """,
+    # 5: tenants' per-minute budgets leased to the routers
+    # (llmgw/store/_budget.py), and when each router last leased.
+    """
+    CREATE TABLE rate_budget (
+        tenant TEXT NOT NULL, kind TEXT NOT NULL, win INTEGER NOT NULL,
+        taken INTEGER NOT NULL, PRIMARY KEY (tenant, kind, win));
+    CREATE TABLE rate_routers (router TEXT PRIMARY KEY, seen_at REAL NOT NULL);
+    """,
 )
 _PG_MIGRATIONS: tuple[str, ...] = (
     """
@@ -121,6 +129,14 @@ _PG_MIGRATIONS: tuple[str, ...] = (
         seq BIGSERIAL PRIMARY KEY, at DOUBLE PRECISION NOT NULL, body TEXT NOT NULL);
     CREATE TABLE admin_sessions (
         sid_sha256 BYTEA PRIMARY KEY, expires_at DOUBLE PRECISION NOT NULL);
+    """,
+    # 5: tenants' per-minute budgets leased to the routers
+    # (llmgw/store/_budget.py), and when each router last leased.
+    """
+    CREATE TABLE rate_budget (
+        tenant TEXT NOT NULL, kind TEXT NOT NULL, win BIGINT NOT NULL,
+        taken BIGINT NOT NULL, PRIMARY KEY (tenant, kind, win));
+    CREATE TABLE rate_routers (router TEXT PRIMARY KEY, seen_at DOUBLE PRECISION NOT NULL);
     """,
 )
 _PG_MIGRATE_LOCK = 0x6C6C6D67  # "llmg": the advisory lock that serializes migrations

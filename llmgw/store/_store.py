@@ -17,10 +17,11 @@ from pathlib import Path
 import trio
 
 from llmgw.errors import ConfigError
-from llmgw.keys import ApiKey, UsageRow
+from llmgw.keys import ApiKey, BudgetAsk, BudgetLeases, UsageRow
 from llmgw.store._accounts import AccountStore
 from llmgw.store._audit import AuditStore
 from llmgw.store._backends import Backend, Postgres, Sqlite
+from llmgw.store._budget import BudgetStore
 from llmgw.store._events import EventStore
 from llmgw.store._lease import LeaseStore
 from llmgw.store._move import StoreMove
@@ -59,6 +60,7 @@ class SqlStore:
         self._rollouts = RolloutStore(runner)
         self._events = EventStore(runner)
         self._sessions = SessionStore(runner)
+        self._budget = BudgetStore(runner)
 
     def __repr__(self) -> str:
         return f"<SqlStore {self.where}, {self.calls} calls>"
@@ -207,6 +209,16 @@ class SqlStore:
 
     async def usage(self, tenant: str | None = None, since: float | None = None) -> list[UsageRow]:
         return await self._usage.usage(tenant, since)
+
+    # tenants' per-minute budgets, leased to the routers (_budget.py)
+
+    async def lease_budget(
+        self, router: str, now: float, asks: Sequence[BudgetAsk]
+    ) -> BudgetLeases:
+        return await self._budget.lease_budget(router, now, asks)
+
+    async def budget_taken(self, tenant: str, kind: str, window: int) -> int | None:
+        return await self._budget.budget_taken(tenant, kind, window)
 
     # moving a store (_move.py; llmgw-cp init --postgres)
 

@@ -150,9 +150,11 @@ async def serve_router(
     seed: int = 1,
     server: str = "lean",
     admin_key: str | None = None,
+    budget: Any = None,
     **config: Any,
 ) -> AsyncIterator[RunningRouter]:
-    """The router in this trio loop, on llmgw's lean server or on hypercorn."""
+    """The router in this trio loop, on llmgw's lean server or on hypercorn; `budget`:
+    where tenants' budgets are leased from (None: per-process buckets)."""
     import random
 
     from llmgw.router import _hypercorn, _main, _server, listener_limits
@@ -164,6 +166,7 @@ async def serve_router(
         keys or make_keys(),
         rng=random.Random(seed),
         admin_key=admin_key,
+        budget=budget,
     )
     async with trio.open_nursery() as nursery:
         if run:
