@@ -99,6 +99,7 @@ def worker_main(spec_path: Path) -> int:
     import random
     import ssl
 
+    import attrs
     import capnp
 
     from llmgw import model
@@ -112,7 +113,13 @@ def worker_main(spec_path: Path) -> int:
     nodes: list[str] = spec["nodes"]
     host, port = spec["host"], spec["port"]
     timeout = float(spec["connect_timeout_s"])
-    inventory: model.Inventory = pickle.loads(Path(spec["inventory"]).read_bytes())
+    import fleet_node
+
+    # kind -> (inventory, usage sample): nodes alternate between the 8xH100 and 8xH200.
+    taken: dict[str, tuple[model.Inventory, model.Usage]] = pickle.loads(
+        Path(spec["inventory"]).read_bytes()
+    )
+    kinds_ = sorted(taken)
     for node in nodes:
         if not (pki / f"agent-{node}.crt").exists():
             _cert.issue_agent(pki, node)
@@ -138,12 +145,16 @@ def worker_main(spec_path: Path) -> int:
     attempts = 0
     beats: list[tuple[float, float]] = []  # (sent at, round trip)
     beat_errors: list[str] = []
+    shape: dict[str, Any] = {}  # the last heartbeat sent: its size and what it carried
     lost = 0
     stopping: asyncio.Event
     all_registered: asyncio.Event
 
     async def agent(node: str, delay: float) -> None:
         nonlocal attempts, lost
+        inventory, sample = taken[kinds_[int(node[1:]) % len(kinds_)]]
+        top = (inventory.gpus or ())[0].memory_total_mib or 81559
+        node_beats = fleet_node.Beats(sample, top, random.Random(node))
         await asyncio.sleep(delay)
         attempt = 0
         while True:
@@ -165,7 +176,9 @@ def worker_main(spec_path: Path) -> int:
                 hello = model.Hello(
                     node_id=node,
                     agent_version="bench",
-                    inventory=inventory,
+                    inventory=attrs.evolve(
+                        inventory, host=attrs.evolve(inventory.host, hostname=node)
+                    ),
                 )
                 _codec.encode(hello, request.hello)
                 request.agent = Agent()
@@ -185,14 +198,16 @@ def worker_main(spec_path: Path) -> int:
                 all_registered.set()
             break
         seq = 0
-        usage = inventory.usage
         while not stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), interval)
                 return
             seq += 1
             request = session.heartbeat_request()
-            _codec.encode(model.Heartbeat(seq=seq, usage=usage), request.beat)
+            beat = model.Heartbeat(seq=seq, usage=node_beats.next())
+            _codec.encode(beat, request.beat)
+            if not shape:
+                shape.update(describe_beat(beat, request.beat))
             sent = time.monotonic()
             try:
                 await asyncio.wait_for(request.send(), max(2 * interval, 5.0))
@@ -203,6 +218,15 @@ def worker_main(spec_path: Path) -> int:
                 lost += 1
                 return
             beats.append((sent, time.monotonic() - sent))
+
+    async def guarded(node: str, delay: float) -> None:
+        # A bug in the simulation must show in the report, not end an agent silently.
+        try:
+            await agent(node, delay)
+        except Exception as exc:
+            nonlocal lost
+            lost += 1
+            beat_errors.append(f"{node}: {type(exc).__name__}: {exc}")
 
     async def amain() -> None:
         nonlocal stopping, all_registered
@@ -215,7 +239,9 @@ def worker_main(spec_path: Path) -> int:
                 return
             spread = float(spec["spread_s"])
             started = time.monotonic()
-            tasks = [asyncio.ensure_future(agent(node, random.random() * spread)) for node in nodes]
+            tasks = [
+                asyncio.ensure_future(guarded(node, random.random() * spread)) for node in nodes
+            ]
 
             async def report_registered() -> None:
                 await all_registered.wait()
@@ -237,10 +263,29 @@ def worker_main(spec_path: Path) -> int:
                 beats=beats,
                 beat_errors=beat_errors[-5:],
                 lost=lost,
+                beat_shape=shape,
             )
 
     asyncio.run(amain())
     return 0
+
+
+def describe_beat(beat: Any, message: Any) -> dict[str, Any]:
+    """What one heartbeat carried (for the report and the smoke test): its size on the
+    wire, and which of the usage figures an 8-GPU node sends were there."""
+    u = beat.usage
+    return {
+        "bytes": message.total_size.word_count * 8,
+        "gpus": len(u.gpus),
+        "gpus_with_memory_and_utilisation": sum(
+            1 for g in u.gpus if g.memory_used_mib is not None and g.utilization_pct is not None
+        ),
+        "host_figures": sorted(
+            name
+            for name in ("memory_available_bytes", "load1", "load5", "load15", "cpu_util_pct")
+            if getattr(u, name) is not None
+        ),
+    }
 
 
 # --- the control plane, the inventory, the PKI -------------------------------------
@@ -253,31 +298,15 @@ def free_port() -> int:
 
 
 def make_inventory(work: Path) -> Path:
-    """One 8-GPU node, as the agent's discovery reads it through the fake nvidia-smi."""
-    from llmgw.agent import discovery
-    from llmgw.testing import fake_nvidia_smi
+    """The 8xH100 and 8xH200 nodes' inventories and usage samples (bench/fleet_node.py),
+    checked to carry what such a node's heartbeat does; pickled for the client processes."""
+    import fleet_node
 
-    bin_dir = work / "bin"
-    fake_nvidia_smi.install(bin_dir)
-    (work / "models").mkdir(exist_ok=True)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
-        "LLMGW_FAKE_GPUS": "8xh100-80g",
-        "LLMGW_FAKE_NICS": "8",
-        "LLMGW_FAKE_SMI_MEM_USED_MIB": "71234",
-        "LLMGW_FAKE_SMI_UTIL": "87",
-    }
-    inventory = discovery.collect_inventory(
-        runner=discovery.SubprocessRunner(env=env),
-        nvml=None,
-        hostname="bench-node",
-        model_dirs=[str(work / "models")],
-    )
-    if not inventory.gpus or len(inventory.gpus) != 8:
-        raise SystemExit(f"fleet bench: the fake nvidia-smi gave {inventory.gpus!r}, not 8 GPUs")
+    taken = {kind: fleet_node.take(work, kind) for kind in fleet_node.KINDS}
+    for _, usage in taken.values():
+        fleet_node.check_usage(usage)
     path = work / "inventory.pickle"
-    path.write_bytes(pickle.dumps(inventory))
+    path.write_bytes(pickle.dumps(taken))
     return path
 
 
@@ -563,12 +592,38 @@ def run_one(
             kinds.update(d["failure_kinds"])
         result["connect_failures"] = dict(kinds.most_common(4))
         result["sessions_lost"] = sum(d["lost"] for d in done)
+        result["heartbeat_shape"] = next((d["beat_shape"] for d in done if d["beat_shape"]), {})
         errors = [e for d in done for e in d["beat_errors"]]
         if errors:
             result["heartbeat_errors"] = errors[:3]
     finally:
         fleet.close()
     return result
+
+
+# The issue's goals for a fleet of GOAL_AGENTS 8-GPU nodes heartbeating every 5 s.
+GOAL_AGENTS = 10_000
+GOALS = (
+    # (key in the result, what it is, bound, unit)
+    ("cp_cpu_pct", "control plane CPU", 50.0, "% of one core"),
+    ("rss_per_agent_kib", "memory per agent", 100.0, "KiB"),
+    ("heartbeat_p99_ms", "heartbeat p99", 50.0, "ms"),
+    ("storm_s", "register storm", 30.0, "s"),
+)
+
+
+def goals(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal with the measured figure and whether it was met (`met` None: not
+    measured). CPU and memory goals hold at any size; a run smaller than
+    GOAL_AGENTS says so (`at_goal_size` False), since its figures are not 10,000's."""
+    out = []
+    for key, name, bound, unit in GOALS:
+        value = r.get(key)
+        ok = None if value is None or value != value else bool(value < bound)
+        if key == "rss_per_agent_kib" and ok is not None:
+            ok = bool(value <= bound)
+        out.append({"goal": name, "value": value, "bound": bound, "unit": unit, "met": ok})
+    return out
 
 
 def show(r: dict[str, Any], interval: float) -> None:
@@ -611,6 +666,19 @@ def show(r: dict[str, Any], interval: float) -> None:
         print(f"  {'failed attempts':>22}: {count} x {kind}")
     if r.get("sessions_lost"):
         print(f"  {'sessions lost':>22}: {r['sessions_lost']} ({r.get('heartbeat_errors')})")
+    shape = r.get("heartbeat_shape") or {}
+    if shape:
+        print(
+            f"  {'heartbeat carried':>22}: {shape['bytes']} bytes: "
+            f"{', '.join(shape['host_figures'])}; {shape['gpus_with_memory_and_utilisation']}"
+            f" of {shape['gpus']} GPUs with memory and utilisation"
+        )
+    size = "" if n == GOAL_AGENTS else f" (the goals are for {GOAL_AGENTS:,} agents; this is {n:,})"
+    print(f"  goals{size}:")
+    for g in r["goals"]:
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[g["met"]]
+        value = "-" if g["value"] is None else f"{g['value']:.1f}"
+        print(f"  {g['goal']:>22}: {value} {g['unit']} (goal < {g['bound']:g}): {verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -672,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for n in sizes:
             r = run_one(n, args, pki, inventory, root)
+            r["goals"] = goals(r)
             show(r, args.interval)
             results.append(r)
     if args.json is not None:
