@@ -17,9 +17,14 @@ Bounds (`HandshakeLimits`):
   beyond it first evicts the oldest *silent* pending connection (one that has
   sent nothing costs an attacker nothing to hold, so holding it must not lock
   agents out: an agent's ClientHello follows its SYN by one round trip);
-  when every pending connection is already in its TLS handshake (each holding
-  asyncio's buffer), the new one is closed at once. So the memory held by
-  pending connections is at most `max_pending` TLS handshakes.
+  when every pending connection is already in its TLS handshake, the listener
+  stops accepting until one of them finishes: newcomers wait in the kernel's
+  accept queue (`backlog`), where they cost the control plane nothing, and are
+  taken in turn. (Closing them, as this did before, turned a register storm of
+  10,000 agents into resets and retries with backoff: 38 s, and agents that
+  gave up.) So the memory held by pending connections is at most
+  `max_pending` TLS handshakes, and the handshake deadline starts at accept,
+  not while a connection waits in the queue.
 
 Agents that are registered never wait on any of this: their connections are
 established transports the event loop serves as before, and an accept burst
@@ -63,7 +68,9 @@ class HandshakeLimits:
 
     timeout_s: float = 5.0
     max_pending: int = 256
-    backlog: int = 1024
+    # Connections wait here while max_pending handshakes are under way (the kernel
+    # caps it at net.core.somaxconn; beyond it a SYN is dropped and the client resends).
+    backlog: int = 4096
 
 
 class RateLimit:
@@ -203,7 +210,9 @@ class HandshakeGate:
         self._refusals = refusals or RateLimit()
         # fd -> pending connection, oldest first.
         self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()
-        self._paused = False
+        self._paused = False  # out of file descriptors: accepting again in a moment
+        self._held = False  # every slot is a handshake: newcomers wait in the accept queue
+        self._reading = True
         self._closed = False
         self.counts: collections.Counter[str] = collections.Counter()
         sock.setblocking(False)
@@ -223,6 +232,7 @@ class HandshakeGate:
             "pending": len(self._pending),
             "pending_silent": len(self._pending) - in_tls,
             "pending_tls": in_tls,
+            "holding": int(self._held),
             **self.counts,
         }
 
@@ -230,8 +240,7 @@ class HandshakeGate:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(Exception):
-            self._loop.remove_reader(self._sock.fileno())
+        self._poll_listener()
         self._sock.close()
         for fd in list(self._pending):
             self._drop(fd)
@@ -239,7 +248,15 @@ class HandshakeGate:
     # accepting -------------------------------------------------------------------
 
     def _on_accept(self) -> None:
-        for _ in range(_ACCEPT_BATCH):
+        for i in range(_ACCEPT_BATCH):
+            if len(self._pending) >= self.limits.max_pending:
+                # Only the first turn knows someone waits (the socket polled readable);
+                # later ones come back on the next loop turn rather than evict for nobody.
+                if i > 0:
+                    return
+                if not self._evict_silent():
+                    self._hold()
+                    return
             try:
                 conn, peer = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -266,31 +283,48 @@ class HandshakeGate:
                     "(LimitNOFILE=) of llmgw-cp",
                     exc.strerror or exc,
                 )
-            self._loop.remove_reader(self._sock.fileno())
+            self._poll_listener()
             self._loop.call_later(0.1, self._resume)
 
     def _resume(self) -> None:
         self._paused = False
-        if not self._closed:
+        self._poll_listener()
+
+    def _hold(self) -> None:
+        """Every slot is a handshake under way: accept no more until one ends."""
+        if self._held:
+            return
+        self._held = True
+        self.counts["held_full"] += 1
+        self._note(
+            "listener full",
+            logging.INFO,
+            "%d connections are in their TLS handshake (rpc_max_pending_handshakes): "
+            "new ones wait in the listen backlog until one finishes",
+            self.limits.max_pending,
+        )
+        self._poll_listener()
+
+    def _slot_freed(self) -> None:
+        if self._held and len(self._pending) < self.limits.max_pending:
+            self._held = False
+            self._poll_listener()
+
+    def _poll_listener(self) -> None:
+        """Watch the listening socket exactly while accepting is wanted."""
+        want = not (self._closed or self._paused or self._held)
+        if want == self._reading:
+            return
+        self._reading = want
+        if want:
             self._loop.add_reader(self._sock.fileno(), self._on_accept)
+        else:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._sock.fileno())
 
     def _admit(self, conn: socket.socket, peer: Any) -> None:
         host = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
         address = _tls.format_peer(peer)
-        if len(self._pending) >= self.limits.max_pending and not self._evict_silent():
-            # Every slot is a TLS handshake under way: refuse the newcomer.
-            self.counts["refused_full"] += 1
-            self._note(
-                "listener full",
-                logging.WARNING,
-                "closed connection from %s at once: %d connections are already in their "
-                "TLS handshake (the limit); raise rpc_max_pending_handshakes if agents "
-                "are refused",
-                address,
-                self.limits.max_pending,
-            )
-            _abort(conn)
-            return
         conn.setblocking(False)
         fd = conn.fileno()
         pending = _Pending(conn, host, address)
@@ -360,6 +394,7 @@ class HandshakeGate:
             del self._pending[fd]
             if pending.timer is not None:
                 pending.timer.cancel()
+            self._slot_freed()
         if failure is None:
             self.counts["authenticated"] += 1
             return
@@ -392,6 +427,7 @@ class HandshakeGate:
         pending = self._pending.pop(fd, None)
         if pending is None:
             return
+        self._slot_freed()
         if pending.timer is not None:
             pending.timer.cancel()
         if pending.stage == "silent":
