@@ -16,7 +16,8 @@ Bounds (`HandshakeLimits`):
 - `max_pending`: connections accepted and not yet authenticated. A new one
   beyond it first evicts the oldest *silent* pending connection (one that has
   sent nothing costs an attacker nothing to hold, so holding it must not lock
-  agents out: an agent's ClientHello follows its SYN by one round trip);
+  agents out: an agent's ClientHello follows its SYN by one round trip; one
+  whose ClientHello has arrived, unread yet, goes on to its handshake instead);
   when every pending connection is already in its TLS handshake, the listener
   stops accepting until one of them finishes: newcomers wait in the kernel's
   accept queue (`backlog`), where they cost the control plane nothing, and are
@@ -357,7 +358,17 @@ class HandshakeGate:
         self._loop.add_reader(fd, self._on_first_bytes, fd)
 
     def _evict_silent(self) -> bool:
-        for fd, pending in self._pending.items():
+        """Free a slot held by a silent connection, oldest first; False if none is.
+
+        Each is looked at first: under load, a connection whose ClientHello has
+        arrived but whose reader has not run yet is an agent, not silence (in a
+        register storm, evicting those reset agents by the hundred); it goes on
+        to its handshake instead, and the next silent one is looked at."""
+        for fd in [fd for fd, p in self._pending.items() if p.stage == "silent"]:
+            self._on_first_bytes(fd)
+            pending = self._pending.get(fd)
+            if pending is None:
+                return True  # it had closed, or sent something that is not TLS: dropped
             if pending.stage == "silent":
                 self.counts["evicted_silent"] += 1
                 self._drop(fd)

@@ -10,6 +10,7 @@ the kernel's queue, is taken then and registers.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import ssl
@@ -155,3 +156,42 @@ async def test_a_silent_connection_still_makes_room_for_a_newcomer(pki: Path) ->
         assert now["handshake_evicted_silent"] == 1
         assert "handshake_held_full" not in now
         nursery.cancel_scope.cancel()
+
+
+def test_a_client_hello_not_yet_read_is_not_taken_for_silence(pki: Path) -> None:
+    """Under load a pending connection's ClientHello may have arrived before its reader
+    ran; when a newcomer needs its slot, it goes on to its handshake, not to a reset."""
+    server = _tls.server_context(pki / "ca.crt", pki / "server.crt", pki / "server.key")
+
+    async def main() -> None:
+        listener = _gate.listening_socket("127.0.0.1", 0, 16)
+        limits = _gate.HandshakeLimits(timeout_s=30.0, max_pending=1)
+        gate = _gate.HandshakeGate(listener, server, asyncio.Protocol, limits)
+        port = gate.port
+        socks: list[socket.socket] = []
+        try:
+            socks.append(socket.create_connection(("127.0.0.1", port)))
+            while gate.statistics()["pending"] < 1:
+                await asyncio.sleep(0.01)
+            assert gate.statistics()["pending_silent"] == 1
+            # Its ClientHello arrives and a newcomer connects, before the loop runs again.
+            socks[0].sendall(client_hello())
+            socks.append(socket.create_connection(("127.0.0.1", port)))
+            time.sleep(0.2)  # both in the kernel: the hello in the socket, the newcomer queued
+            gate._on_accept()  # the listener's turn comes first
+            stats = gate.statistics()
+            assert stats.get("evicted_silent", 0) == 0
+            assert stats["pending_tls"] == 1  # gone on to its handshake
+            assert stats["holding"] == 1 and stats["accepted"] == 1  # the newcomer waits
+            # When that handshake ends (here: dropped), the newcomer is taken.
+            gate._drop(next(iter(gate._pending)))
+            assert gate.statistics()["holding"] == 0
+            while gate.statistics()["accepted"] < 2:
+                await asyncio.sleep(0.01)
+            assert gate.statistics()["pending_silent"] == 1
+        finally:
+            gate.close()
+            for s in socks:
+                s.close()
+
+    asyncio.run(main())
