@@ -104,7 +104,7 @@ def worker_main(spec_path: Path) -> int:
 
     from llmgw import model
     from llmgw.ctl import _cert
-    from llmgw.rpc import _codec, _tls
+    from llmgw.rpc import _codec, _gate, _net, _tls
     from llmgw.rpc._schema import schema
 
     spec = json.loads(spec_path.read_text())
@@ -152,6 +152,7 @@ def worker_main(spec_path: Path) -> int:
 
     async def agent(node: str, delay: float) -> None:
         nonlocal attempts, lost
+        loop = asyncio.get_running_loop()
         inventory, sample = taken[kinds_[int(node[1:]) % len(kinds_)]]
         top = (inventory.gpus or ())[0].memory_total_mib or 81559
         node_beats = fleet_node.Beats(sample, top, random.Random(node))
@@ -160,17 +161,24 @@ def worker_main(spec_path: Path) -> int:
         while True:
             attempts += 1
             try:
-                stream = await asyncio.wait_for(
-                    capnp.AsyncIoStream.create_connection(
-                        host,
-                        port,
-                        ssl=contexts[node],
+                # As llmgw-agent dials (llmgw/rpc/_net.py): TLS first, pycapnp's stream
+                # only once the handshake is done. (pycapnp's own create_connection,
+                # cancelled by the timeout while the control plane still had it in its
+                # accept queue, crashed the client process.)
+                streams: list[Any] = []
+                shim = _net._Shim(lambda stream, _, streams=streams: streams.append(stream))
+                await asyncio.wait_for(
+                    _gate.open_tls(
+                        lambda factory: loop.create_connection(factory, host, port),
+                        shim,
+                        contexts[node],
+                        server_side=False,
                         server_hostname=host,
-                        ssl_handshake_timeout=timeout,
+                        timeout=timeout,
                     ),
                     timeout,
                 )
-                client = capnp.TwoPartyClient(stream)
+                client = capnp.TwoPartyClient(streams[0])
                 registry = client.bootstrap().cast_as(schema.Registry)
                 request = registry.register_request()
                 hello = model.Hello(
@@ -416,6 +424,54 @@ def http_get(url: str, key: str, timeout: float = 120.0) -> tuple[float, bytes]:
     return took, response.content
 
 
+# llmgw-cp under tracemalloc: SIGUSR1 writes a snapshot to argv[1] + ".snap".
+TRACED_CP = """
+import runpy, signal, sys, tracemalloc
+tracemalloc.start(8)
+out = sys.argv.pop(1)
+def dump(*_):
+    tracemalloc.take_snapshot().dump(out + ".snap")
+    open(out + ".done", "w").close()
+signal.signal(signal.SIGUSR1, dump)
+sys.argv[0] = "llmgw-cp"
+runpy.run_module("llmgw.cp", run_name="__main__")
+"""
+
+
+def traced_snapshot(pid: int, out: Path) -> Any:
+    """A tracemalloc snapshot of the control plane (run as TRACED_CP)."""
+    import tracemalloc
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = out.with_name(out.name + ".done")
+    done.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 120
+    while not done.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("llmgw-cp wrote no tracemalloc snapshot in 120 s")
+        time.sleep(0.2)
+    return tracemalloc.Snapshot.load(str(out.with_name(out.name + ".snap")))
+
+
+def heap_growth(before: Any, after: Any, n: int) -> dict[str, Any]:
+    """The control plane's Python heap growth by allocating line, per agent.
+
+    What RSS grew beyond it is native: OpenSSL, pycapnp's C++ and the allocator's own."""
+    diff = after.compare_to(before, "lineno")
+    total = sum(d.size_diff for d in diff)
+    top = [
+        (f"{d.traceback[0].filename.split('site-packages/')[-1]}:{d.traceback[0].lineno}",
+         round(d.size_diff / n / 1024, 2), d.count_diff)
+        for d in sorted(diff, key=lambda d: -d.size_diff)[:30]
+    ]  # fmt: skip
+    files = [
+        (d.traceback[0].filename.split("site-packages/")[-1], round(d.size_diff / n / 1024, 2))
+        for d in sorted(after.compare_to(before, "filename"), key=lambda d: -d.size_diff)[:12]
+    ]
+    return {"growth_kib_per_agent": round(total / n / 1024, 1), "files": files, "top": top}
+
+
 def profile(args: argparse.Namespace, pid: int, name: str) -> subprocess.Popen[bytes]:
     """py-spy on the control plane until SIGINT; collapsed stacks in --profile DIR."""
     args.profile.mkdir(parents=True, exist_ok=True)
@@ -446,11 +502,13 @@ def run_one(
     fleet = Fleet()
     result: dict[str, Any] = {"agents": n}
     try:
+        launch = ["-m", "llmgw.cp"]
+        if args.tracemalloc:
+            launch = ["-c", TRACED_CP, str(args.tracemalloc / f"cp-{n}")]
         cp = fleet.spawn(
             [
                 sys.executable,
-                "-m",
-                "llmgw.cp",
+                *launch,
                 "--config",
                 str(config),
                 "--log-level",
@@ -505,6 +563,7 @@ def run_one(
         for w in workers:
             read_event(w, "ready", deadline)
         time.sleep(1.0)
+        heap0 = traced_snapshot(cp.pid, args.tracemalloc / f"cp-{n}") if args.tracemalloc else None
         rss0, cpu0 = rss_bytes(cp.pid), cpu_seconds(cp.pid)
         result["cp_rss_idle_mib"] = rss0 / 2**20
 
@@ -541,6 +600,9 @@ def run_one(
         cpu_b = cpu_seconds(cp.pid)
         client_b = sum(cpu_seconds(w.pid) for w in workers)
         rss1 = rss_bytes(cp.pid)
+        if heap0 is not None:
+            heap1 = traced_snapshot(cp.pid, args.tracemalloc / f"cp-{n}")
+            result["python_heap"] = heap_growth(heap0, heap1, n)
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
@@ -701,6 +763,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="record the control plane with py-spy (pip install py-spy) "
         "during the storm and the window; collapsed stacks go here",
+    )
+    parser.add_argument(
+        "--tracemalloc",
+        type=Path,
+        default=None,
+        help="run llmgw-cp under tracemalloc and report its Python heap per agent "
+        "(snapshots go here; slows the control plane, so its CPU figures do not count)",
     )
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
