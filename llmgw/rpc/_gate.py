@@ -403,6 +403,13 @@ class HandshakeGate:
             )
             self._drop(fd)
             return
+        if _peer_gave_up(pending.sock):
+            # Its ClientHello waited in the accept queue past the agent's own connect
+            # timeout: a handshake now would be work for nobody (in a storm that is
+            # congestion collapse: every retry queues behind dead connections).
+            self.counts["abandoned"] += 1
+            self._drop(fd)
+            return
         self._loop.remove_reader(fd)
         pending.stage = "tls"
         pending.task = self._loop.create_task(self._upgrade(fd, pending))
@@ -487,6 +494,22 @@ class HandshakeGate:
             message += " (%d more like it were not logged)"
             args = (*args, suppressed)
         log.log(level, message + " (logged once a minute per address)", *args)
+
+
+_TCP_CLOSE_WAIT = 8  # linux/tcp_states.h: the peer sent FIN, this side has not closed
+
+
+def _peer_gave_up(sock: socket.socket) -> bool:
+    """The peer has closed its side already (TCP CLOSE_WAIT, read from TCP_INFO's first
+    byte); False where the platform does not say."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None:
+        return False
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, option, 1)
+    except OSError:
+        return False
+    return bool(info) and info[0] == _TCP_CLOSE_WAIT
 
 
 def _abort(sock: socket.socket) -> None:

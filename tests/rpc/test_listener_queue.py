@@ -195,3 +195,31 @@ def test_a_client_hello_not_yet_read_is_not_taken_for_silence(pki: Path) -> None
                 s.close()
 
     asyncio.run(main())
+
+
+def test_a_connection_its_agent_gave_up_on_gets_no_handshake(pki: Path) -> None:
+    """A ClientHello that waited in the accept queue past the agent's own connect timeout
+    (the agent closed): no handshake is attempted for it."""
+    server = _tls.server_context(pki / "ca.crt", pki / "server.crt", pki / "server.key")
+
+    async def main() -> None:
+        listener = _gate.listening_socket("127.0.0.1", 0, 16)
+        gate = _gate.HandshakeGate(listener, server, asyncio.Protocol)
+        try:
+            # Before the loop runs again: connected, hello sent, closed (the agent gave up).
+            s = socket.create_connection(("127.0.0.1", gate.port))
+            s.sendall(client_hello())
+            s.close()
+            time.sleep(0.2)
+            for _ in range(200):
+                if gate.statistics().get("abandoned"):
+                    break
+                await asyncio.sleep(0.01)
+            stats = gate.statistics()
+            assert stats["abandoned"] == 1
+            assert stats["pending"] == 0
+            assert "refused_tls" not in stats and "authenticated" not in stats
+        finally:
+            gate.close()
+
+    asyncio.run(main())
