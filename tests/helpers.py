@@ -115,6 +115,18 @@ class FakeAgent:
         self.released += 1
 
 
+async def until(what: str, check: Any, timeout: float = 20.0) -> Any:
+    """In a trio test: poll `check` until it returns something truthy; fail naming
+    `what` after `timeout` (generous: the machine is shared)."""
+    import trio
+
+    with trio.move_on_after(timeout):
+        while not (last := check()):
+            await trio.sleep(0.02)
+        return last
+    raise AssertionError(f"{what}: not within {timeout:g} s (last: {check()!r})")
+
+
 async def register(
     registry: Any,
     node_id: str,

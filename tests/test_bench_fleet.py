@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,23 @@ def test_fleet_bench_smoke(tmp_path: Path) -> None:
     assert result["nodes_get_s"] > 0 and result["nodes_get_mib"] > 0
     assert "20 agents (heartbeat every 0.5 s):" in done.stdout
     assert "register storm" in done.stdout
+    # Each heartbeat carried what an 8-GPU node sends (sampled by the agent's own code
+    # over the recorded H100/H200 outputs in tests/data/, moved on every beat).
+    shape = result["heartbeat_shape"]
+    assert shape["gpus"] == 8
+    assert shape["gpus_with_memory_and_utilisation"] == 8
+    assert shape["host_figures"] == [
+        "cpu_util_pct", "load1", "load15", "load5", "memory_available_bytes"
+    ]  # fmt: skip
+    assert shape["bytes"] > 1000
+    # The four goals, each with its figure and a verdict.
+    goals = {g["goal"]: g for g in result["goals"]}
+    assert list(goals) == [
+        "control plane CPU", "memory per agent", "heartbeat p99", "register storm"
+    ]  # fmt: skip
+    assert goals["register storm"]["value"] == result["storm_s"]
+    assert goals["register storm"]["met"] is (result["storm_s"] < 30)
+    assert goals["memory per agent"]["bound"] == 100
+    assert all(isinstance(g["met"], bool) for g in goals.values())
+    assert "(the goals are for 10,000 agents; this is 20)" in done.stdout
+    assert re.search(r"heartbeat p99: [\d.]+ ms \(goal < 50\): (met|NOT met)", done.stdout)

@@ -16,10 +16,16 @@ Bounds (`HandshakeLimits`):
 - `max_pending`: connections accepted and not yet authenticated. A new one
   beyond it first evicts the oldest *silent* pending connection (one that has
   sent nothing costs an attacker nothing to hold, so holding it must not lock
-  agents out: an agent's ClientHello follows its SYN by one round trip);
-  when every pending connection is already in its TLS handshake (each holding
-  asyncio's buffer), the new one is closed at once. So the memory held by
-  pending connections is at most `max_pending` TLS handshakes.
+  agents out: an agent's ClientHello follows its SYN by one round trip; one
+  whose ClientHello has arrived, unread yet, goes on to its handshake instead);
+  when every pending connection is already in its TLS handshake, the listener
+  stops accepting until one of them finishes: newcomers wait in the kernel's
+  accept queue (`backlog`), where they cost the control plane nothing, and are
+  taken in turn. (Closing them, as this did before, turned a register storm of
+  10,000 agents into resets and retries with backoff: 38 s, and agents that
+  gave up.) So the memory held by pending connections is at most
+  `max_pending` TLS handshakes, and the handshake deadline starts at accept,
+  not while a connection waits in the queue.
 
 Agents that are registered never wait on any of this: their connections are
 established transports the event loop serves as before, and an accept burst
@@ -40,6 +46,7 @@ import logging
 import socket
 import ssl
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,7 +70,9 @@ class HandshakeLimits:
 
     timeout_s: float = 5.0
     max_pending: int = 256
-    backlog: int = 1024
+    # Connections wait here while max_pending handshakes are under way (the kernel
+    # caps it at net.core.somaxconn; beyond it a SYN is dropped and the client resends).
+    backlog: int = 4096
 
 
 class RateLimit:
@@ -104,6 +113,9 @@ class RateLimit:
         return True, self._suppressed.pop(key, 0)
 
 
+_read_buffers = threading.local()  # TlsProtocol's receive buffer, one per event loop thread
+
+
 class TlsProtocol(asyncio.sslproto.SSLProtocol):
     """asyncio's TLS protocol, with two changes that matter to a fleet.
 
@@ -111,15 +123,29 @@ class TlsProtocol(asyncio.sslproto.SSLProtocol):
       OpenSSL wrote (the handshake error path never flushes it), so a refused
       agent saw only a closed connection, never "unknown ca" or "certificate
       expired". The refusal tests would fail if a Python release changed this.
-    - 32 KiB of receive buffer per connection instead of 256 KiB: a TLS record
-      is at most ~16 KiB, and every connected agent holds one of these.
+    - One receive buffer per thread, shared by every connection, instead of
+      256 KiB each (32 KiB each before this, still a third of the 100 KiB an
+      agent may cost). asyncio's selector transport asks for the buffer, reads
+      the socket into it and hands it back within one call (`get_buffer`,
+      `recv_into`, `buffer_updated`), and `buffer_updated` copies it into
+      OpenSSL's memory BIO before anything else runs: no two connections ever
+      hold it at once.
 
     Built on a plain transport (`connect_accepted_socket` / `create_connection`
     without ssl=), as `loop.start_tls` does internally; `waiter` resolves when
     the handshake is done, or fails with its error (see `open_tls`).
     """
 
-    max_size = 32 * 1024
+    max_size = 64 * 1024  # a read from the socket: up to four TLS records
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        view: memoryview | None = getattr(_read_buffers, "view", None)
+        if view is None:
+            view = _read_buffers.view = memoryview(bytearray(self.max_size))
+        # asyncio's own (allocated above) is dropped here; get_buffer returns this one.
+        self._ssl_buffer = view.obj
+        self._ssl_buffer_view = view
 
     def _on_handshake_complete(self, handshake_exc: BaseException | None) -> None:
         transport = getattr(self, "_transport", None)
@@ -130,6 +156,12 @@ class TlsProtocol(asyncio.sslproto.SSLProtocol):
                 if alert and not transport.is_closing():
                     transport.write(alert)
         super()._on_handshake_complete(handshake_exc)
+        # The control plane reads only the subject (the node id); the rest of the parsed
+        # certificate (issuer, validity, names) is ~1.5 KiB per connected agent.
+        extra: dict[str, Any] = self._extra
+        cert = extra.get("peercert")
+        if self._server_side and cert:
+            extra["peercert"] = {"subject": cert.get("subject")}
 
 
 async def open_tls(
@@ -154,7 +186,7 @@ async def open_tls(
         waiter,
         server_side=server_side,
         server_hostname=server_hostname,
-        ssl_handshake_timeout=timeout,  # type: ignore[arg-type]  # typeshed says int
+        ssl_handshake_timeout=timeout,
     )
     transport, _ = await connect(lambda: protocol)
     try:
@@ -203,7 +235,9 @@ class HandshakeGate:
         self._refusals = refusals or RateLimit()
         # fd -> pending connection, oldest first.
         self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()
-        self._paused = False
+        self._paused = False  # out of file descriptors: accepting again in a moment
+        self._held = False  # every slot is a handshake: newcomers wait in the accept queue
+        self._reading = True
         self._closed = False
         self.counts: collections.Counter[str] = collections.Counter()
         sock.setblocking(False)
@@ -223,6 +257,7 @@ class HandshakeGate:
             "pending": len(self._pending),
             "pending_silent": len(self._pending) - in_tls,
             "pending_tls": in_tls,
+            "holding": int(self._held),
             **self.counts,
         }
 
@@ -230,8 +265,7 @@ class HandshakeGate:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(Exception):
-            self._loop.remove_reader(self._sock.fileno())
+        self._poll_listener()
         self._sock.close()
         for fd in list(self._pending):
             self._drop(fd)
@@ -239,7 +273,15 @@ class HandshakeGate:
     # accepting -------------------------------------------------------------------
 
     def _on_accept(self) -> None:
-        for _ in range(_ACCEPT_BATCH):
+        for i in range(_ACCEPT_BATCH):
+            if len(self._pending) >= self.limits.max_pending:
+                # Only the first turn knows someone waits (the socket polled readable);
+                # later ones come back on the next loop turn rather than evict for nobody.
+                if i > 0:
+                    return
+                if not self._evict_silent():
+                    self._hold()
+                    return
             try:
                 conn, peer = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -266,31 +308,48 @@ class HandshakeGate:
                     "(LimitNOFILE=) of llmgw-cp",
                     exc.strerror or exc,
                 )
-            self._loop.remove_reader(self._sock.fileno())
+            self._poll_listener()
             self._loop.call_later(0.1, self._resume)
 
     def _resume(self) -> None:
         self._paused = False
-        if not self._closed:
+        self._poll_listener()
+
+    def _hold(self) -> None:
+        """Every slot is a handshake under way: accept no more until one ends."""
+        if self._held:
+            return
+        self._held = True
+        self.counts["held_full"] += 1
+        self._note(
+            "listener full",
+            logging.INFO,
+            "%d connections are in their TLS handshake (rpc_max_pending_handshakes): "
+            "new ones wait in the listen backlog until one finishes",
+            self.limits.max_pending,
+        )
+        self._poll_listener()
+
+    def _slot_freed(self) -> None:
+        if self._held and len(self._pending) < self.limits.max_pending:
+            self._held = False
+            self._poll_listener()
+
+    def _poll_listener(self) -> None:
+        """Watch the listening socket exactly while accepting is wanted."""
+        want = not (self._closed or self._paused or self._held)
+        if want == self._reading:
+            return
+        self._reading = want
+        if want:
             self._loop.add_reader(self._sock.fileno(), self._on_accept)
+        else:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._sock.fileno())
 
     def _admit(self, conn: socket.socket, peer: Any) -> None:
         host = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
         address = _tls.format_peer(peer)
-        if len(self._pending) >= self.limits.max_pending and not self._evict_silent():
-            # Every slot is a TLS handshake under way: refuse the newcomer.
-            self.counts["refused_full"] += 1
-            self._note(
-                "listener full",
-                logging.WARNING,
-                "closed connection from %s at once: %d connections are already in their "
-                "TLS handshake (the limit); raise rpc_max_pending_handshakes if agents "
-                "are refused",
-                address,
-                self.limits.max_pending,
-            )
-            _abort(conn)
-            return
         conn.setblocking(False)
         fd = conn.fileno()
         pending = _Pending(conn, host, address)
@@ -299,7 +358,17 @@ class HandshakeGate:
         self._loop.add_reader(fd, self._on_first_bytes, fd)
 
     def _evict_silent(self) -> bool:
-        for fd, pending in self._pending.items():
+        """Free a slot held by a silent connection, oldest first; False if none is.
+
+        Each is looked at first: under load, a connection whose ClientHello has
+        arrived but whose reader has not run yet is an agent, not silence (in a
+        register storm, evicting those reset agents by the hundred); it goes on
+        to its handshake instead, and the next silent one is looked at."""
+        for fd in [fd for fd, p in self._pending.items() if p.stage == "silent"]:
+            self._on_first_bytes(fd)
+            pending = self._pending.get(fd)
+            if pending is None:
+                return True  # it had closed, or sent something that is not TLS: dropped
             if pending.stage == "silent":
                 self.counts["evicted_silent"] += 1
                 self._drop(fd)
@@ -334,6 +403,13 @@ class HandshakeGate:
             )
             self._drop(fd)
             return
+        if _peer_gave_up(pending.sock):
+            # Its ClientHello waited in the accept queue past the agent's own connect
+            # timeout: a handshake now would be work for nobody (in a storm that is
+            # congestion collapse: every retry queues behind dead connections).
+            self.counts["abandoned"] += 1
+            self._drop(fd)
+            return
         self._loop.remove_reader(fd)
         pending.stage = "tls"
         pending.task = self._loop.create_task(self._upgrade(fd, pending))
@@ -360,6 +436,7 @@ class HandshakeGate:
             del self._pending[fd]
             if pending.timer is not None:
                 pending.timer.cancel()
+            self._slot_freed()
         if failure is None:
             self.counts["authenticated"] += 1
             return
@@ -392,6 +469,7 @@ class HandshakeGate:
         pending = self._pending.pop(fd, None)
         if pending is None:
             return
+        self._slot_freed()
         if pending.timer is not None:
             pending.timer.cancel()
         if pending.stage == "silent":
@@ -416,6 +494,22 @@ class HandshakeGate:
             message += " (%d more like it were not logged)"
             args = (*args, suppressed)
         log.log(level, message + " (logged once a minute per address)", *args)
+
+
+_TCP_CLOSE_WAIT = 8  # linux/tcp_states.h: the peer sent FIN, this side has not closed
+
+
+def _peer_gave_up(sock: socket.socket) -> bool:
+    """The peer has closed its side already (TCP CLOSE_WAIT, read from TCP_INFO's first
+    byte); False where the platform does not say."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None:
+        return False
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, option, 1)
+    except OSError:
+        return False
+    return bool(info) and info[0] == _TCP_CLOSE_WAIT
 
 
 def _abort(sock: socket.socket) -> None:

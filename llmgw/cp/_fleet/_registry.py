@@ -31,6 +31,7 @@ from llmgw.cp._fleet._fleet_state import FleetState
 from llmgw.cp._fleet._node_record import NodeRecord as NodeRecord  # re-exported: named from here
 from llmgw.cp._fleet._progress import FetchProgress as FetchProgress  # re-exported, as NodeRecord
 from llmgw.cp._fleet._progress import ProgressBook
+from llmgw.cp._fleet._shared import SharedValues
 from llmgw.cp._observe._events import EventLog
 from llmgw.cp._observe._history import History
 from llmgw.errors import NotFound, RegistrationRefused, StaleEpoch, UsageError
@@ -139,6 +140,7 @@ class NodeRegistry:
         # Each node's last hour (llmgw/cp/_observe/_history.py): a sample per heartbeat;
         # None: none kept.
         self.history = history
+        self.shared = SharedValues()  # kept once: what repeats across nodes (_shared.py)
 
     def __repr__(self) -> str:
         return f"<NodeRegistry {self.statistics()}>"
@@ -316,7 +318,7 @@ class NodeRegistry:
             old.agent.release()
         self._progress.drop(hello.node_id)  # a new session reports its fetches anew
         rec = _node_record.registered(
-            peer, hello, agent, generation=generation, now=now, wall=self._wall()
+            peer, self.shared.hello(hello), agent, generation=generation, now=now, wall=self._wall()
         )
         self._nodes[hello.node_id] = rec
         if self.history is not None:
@@ -408,6 +410,7 @@ class NodeRegistry:
         if rec is None:
             return
         rec.last_seen_wall = self._wall()
+        beat = self.shared.beat(beat)
         rec.inventory = _node_record.with_heartbeat(rec.inventory, beat)
         if self.history is not None:
             self.history.record(node_id, beat.usage, rec.shards)
