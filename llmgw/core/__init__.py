@@ -58,6 +58,7 @@ from llmgw.core._placement import (
     place,
 )
 from llmgw.core._prefix import NO_MATCH, Match, PrefixIndex, chain
+from llmgw.core._prefix_share import Learned, Outbox, RemotePending, merge
 from llmgw.core._reconcile import (
     DesiredModel,
     ObservedShard,
@@ -189,6 +190,7 @@ __all__ = [
     "HeartbeatSeen",
     "InFlight",
     "InvalidShardTransition",
+    "Learned",
     "Liveness",
     "LivenessEvent",
     "LivenessPolicy",
@@ -199,6 +201,7 @@ __all__ = [
     "NodeFacts",
     "NodeState",
     "ObservedShard",
+    "Outbox",
     "Placement",
     "PlacementProfile",
     "Placer",
@@ -210,6 +213,7 @@ __all__ = [
     "Refusal",
     "Registered",
     "Reject",
+    "RemotePending",
     "ReplicaMeaning",
     "ReplicaState",
     "ReplicaView",
@@ -273,6 +277,7 @@ __all__ = [
     "learn_pace",
     "may_delete",
     "memory_faults",
+    "merge",
     "next_shard_state",
     "node_facts",
     "observed_shards",

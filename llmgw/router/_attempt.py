@@ -34,6 +34,7 @@ from llmgw.core import (
     BreakerEvent,
     ContinuationRefusal,
     Match,
+    Outbox,
     head_outcome,
     learn,
     learn_pace,
@@ -96,7 +97,16 @@ class Sent:
     """One attempt's share of an endpoint's own load and of its index's in-flight
     prefills, each taken back exactly once."""
 
-    __slots__ = ("blocks", "decode", "flight", "guessed_tokens", "match", "prefill", "state")
+    __slots__ = (
+        "blocks",
+        "decode",
+        "flight",
+        "guessed_tokens",
+        "match",
+        "outbox",
+        "prefill",
+        "state",
+    )
 
     def __init__(
         self,
@@ -108,8 +118,11 @@ class Sent:
         blocks: tuple[int, ...],
         now: float,
         expected_first_byte_s: float | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
+        """`outbox`: where the other router workers learn what this index records."""
         self.state = state
+        self.outbox = outbox
         self.prefill = prefill
         self.decode = decode
         self.match = match
@@ -123,6 +136,8 @@ class Sent:
         if blocks:
             state.index.record(blocks, now)  # predict-on-route: siblings follow
             state.index.begin(blocks)
+            if outbox is not None:
+                outbox.sent(state.endpoint.endpoint_id, blocks)
 
     def answering(self) -> None:
         """The answer has begun: the prompt is processed, and the engine holds it."""
@@ -139,6 +154,8 @@ class Sent:
             self.prefill = -1.0
         if self.blocks:
             self.state.index.end(self.blocks)
+            if self.outbox is not None:
+                self.outbox.ended(self.state.endpoint.endpoint_id, self.blocks)
         self.blocks = None
         self.state.pending_decode = max(0.0, self.state.pending_decode - self.decode)
         self.decode = 0.0
@@ -225,6 +242,7 @@ class Attempts:
                 model.estimates.first_byte_s(
                     estimate.prompt_tokens - cached, estimate.output_tokens, not ask.stream
                 ),
+                fleet.outbox,
             )
             told = False  # whether the breaker has had the head's verdict
             try:

@@ -29,13 +29,17 @@ from llmgw.core import (
     BreakerState,
     EndpointLoad,
     Estimates,
+    Learned,
     Match,
+    Outbox,
     PrefixIndex,
     Queued,
+    RemotePending,
     RequestEstimate,
     ScoringConfig,
     TrafficSplit,
     decide,
+    merge,
 )
 from llmgw.router._config import RouterConfig
 from llmgw.router._record import Prompt
@@ -44,6 +48,10 @@ from llmgw.router._tenants import share
 from llmgw.router._types import Endpoint, EndpointSource
 
 log = logging.getLogger("llmgw.router")
+
+# A worker's untold facts (llmgw/core/_prefix_share.py) are bounded by this many block
+# hashes (about 20 bytes each on the wire): 8 chains of 8,192 blocks, 2 MiB of prompts.
+SHARE_MAX_BLOCKS = 65536
 
 
 class Model:
@@ -115,6 +123,10 @@ class FleetStatistics:
     waiting: int  # requests waiting in a queue
     stale_after_s: float  # a reading older than this is unknown to the scorer
     taken_at: float | None = attrs.field(default=None, eq=False)
+    # Prefix facts shared with the other workers (llmgw/core/_prefix_share.py), ever:
+    # "told" (sent), "heard" (theirs applied here), "dropped" (over the outbox's bound).
+    # None: this router shares nothing (one worker, or sharing off).
+    prefix_shared: Mapping[str, int] | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The snapshot as JSON (`Router.statistics()`): the breaker state by name."""
@@ -142,6 +154,7 @@ class FleetStatistics:
                 for eid, e in self.endpoints.items()
             },
             "waiting": self.waiting,
+            "prefix_shared": None if self.prefix_shared is None else dict(self.prefix_shared),
         }
 
 
@@ -190,6 +203,15 @@ class Fleet:
         self._leaving: dict[str, list[EndpointState]] = {}
         self._seen_version: int | None = None
         self._waiters: dict[str, _Waiter] = {}
+        # What this worker's indexes learn, for the other workers (llmgw/core/_prefix_share.py);
+        # None: nothing to tell (one worker, sharing off, or no prefix policy).
+        self.outbox: Outbox | None = (
+            Outbox(SHARE_MAX_BLOCKS)
+            if config.workers > 1 and config.prefix_sharing and config.policy == "prefix"
+            else None
+        )
+        self.remote = RemotePending()  # what the others' facts began in these indexes
+        self.learned_facts = 0  # the others' facts applied here, ever
         self.refresh()
 
     def __repr__(self) -> str:
@@ -279,7 +301,24 @@ class Fleet:
             waiting=len(self._waiters),
             stale_after_s=self.scoring.stale_after_s,
             taken_at=trio.current_time() if _in_trio() else None,
+            prefix_shared=None
+            if self.outbox is None
+            else {
+                "told": self.outbox.taken,
+                "heard": self.learned_facts,
+                "dropped": self.outbox.dropped,
+            },
         )
+
+    # --- what the other workers' indexes learned ------------------------------------------
+
+    def learned(self, facts: Iterable[Learned], now: float) -> int:
+        """Apply the other workers' facts to the indexes (llmgw/core/_prefix_share.py
+        `merge`); how many applied. Their requests never ended are ended after a while."""
+        self.remote.expire(now)
+        n = merge({eid: s.index for eid, s in self._states.items()}, self.remote, facts, now)
+        self.learned_facts += n
+        return n
 
     # --- following the source ------------------------------------------------------------
 
