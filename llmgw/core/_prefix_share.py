@@ -14,8 +14,11 @@ Facts
     so the engine will hold it), and `delta` more (negative: fewer) requests with it
     are in flight there than the last batch said. A worker notes +1 at dispatch
     and -1 when the request ends, exactly where its own index `begin`s and `end`s
-    the chain, and only where its own index records it (a spill is not a prompt's
-    new home, here either).
+    the chain. A request its index does not record (a spill is not a prompt's new
+    home, here either; a route without a prompt) is noted with no blocks: a
+    load-only fact, so that each worker counts the others' requests in flight at an
+    endpoint (`RemotePending.in_flight`) beside its own, as the engine will, and the
+    workers do not all pile onto the endpoint every index now names.
 
 The outbox (one per worker, and one per worker at the relay)
     Facts coalesce by (endpoint, chain): a chain sent twice and ended once in one
@@ -24,7 +27,7 @@ The outbox (one per worker, and one per worker at the relay)
     only what no sharing would: the others learn that prompt later or not at all.
 
 The merge rule (`merge`, at the receiver)
-    A fact that was sent is recorded in the endpoint's index at the receiver's
+    A chain that was sent is recorded in the endpoint's index at the receiver's
     `now` (the batch is at most a tick old; its clock is the receiver's own); one
     only ended re-dates the blocks the index holds (`computed`: the engine held the
     chain until then). A positive `delta` `begin`s the chain as many times: a
@@ -33,8 +36,9 @@ The merge rule (`merge`, at the receiver)
     nothing (`Match.pending`), as for the worker's own requests. A negative delta
     `end`s only what `merge` itself began for the others (`RemotePending`), never
     the worker's own counts, and whatever the others never ended (a worker killed,
-    a fact dropped) is ended after `max_age_s` (`RemotePending.expire`). A fact for
-    an endpoint the receiver does not list (its view is a moment behind) is skipped.
+    a fact dropped) is ended after `max_age_s` (`RemotePending.expire`). Load-only
+    facts move only the per-endpoint count. A fact for an endpoint the receiver
+    does not list (its view is a moment behind) is skipped.
 """
 
 from __future__ import annotations
@@ -73,12 +77,11 @@ class Learned:
             and sent in (0, 1)
             and isinstance(delta, int)
             and isinstance(blocks, list)
-            and blocks
             and all(isinstance(b, int) and 0 <= b < 1 << 64 for b in blocks)
         ):
             raise ValueError(
-                "a learned fact is [endpoint id, 0 or 1, an integer, a non-empty list of "
-                f"unsigned 64-bit block hashes], got {value!r}"
+                "a learned fact is [endpoint id, 0 or 1, an integer, a list of unsigned "
+                f"64-bit block hashes], got {value!r}"
             )
         return cls(eid, tuple(blocks), bool(sent), delta)
 
@@ -92,7 +95,7 @@ class Outbox:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be 1 or more, got {max_blocks}")
         self.max_blocks = max_blocks
-        self._facts: OrderedDict[tuple[str, int], Learned] = OrderedDict()
+        self._facts: OrderedDict[tuple[str, int | None], Learned] = OrderedDict()
         self._blocks = 0
         self.dropped = 0  # facts dropped for the bound, ever
         self.taken = 0  # facts taken to be told, ever
@@ -119,9 +122,7 @@ class Outbox:
         self.add(Learned(endpoint_id, tuple(blocks), False, -1))
 
     def add(self, fact: Learned) -> None:
-        if not fact.blocks:
-            return
-        key = (fact.endpoint_id, fact.blocks[-1])  # the deepest hash names the chain
+        key = _key(fact.endpoint_id, fact.blocks)
         old = self._facts.pop(key, None)
         if old is not None:
             self._blocks -= len(old.blocks)
@@ -147,48 +148,76 @@ class Outbox:
         return out
 
 
-class RemotePending:
-    """The chains `merge` began in this worker's indexes for the others' requests."""
+def _key(endpoint_id: str, blocks: Sequence[int]) -> tuple[str, int | None]:
+    """A chain is named by its endpoint and deepest hash; a load-only fact by its endpoint."""
+    return (endpoint_id, blocks[-1] if blocks else None)
 
-    __slots__ = ("_begun", "max_age_s")
+
+class RemotePending:
+    """The others' requests in flight, as their facts said: the chains `merge` began in
+    this worker's indexes for them, and how many there are per endpoint."""
+
+    __slots__ = ("_begun", "_per_endpoint", "max_age_s")
 
     def __init__(self, max_age_s: float = REMOTE_PENDING_MAX_AGE_S) -> None:
         self.max_age_s = max_age_s
-        # (endpoint, deepest hash) -> [the index it was begun in, the chain, how many, when]
-        self._begun: dict[tuple[str, int], tuple[PrefixIndex, tuple[int, ...], int, float]] = {}
+        # (endpoint, deepest hash or None) -> [the index it was begun in (None: load
+        # only), the chain, how many, when last begun]
+        self._begun: dict[
+            tuple[str, int | None], tuple[PrefixIndex | None, tuple[int, ...], int, float]
+        ] = {}
+        self._per_endpoint: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return sum(n for _, _, n, _ in self._begun.values())
+        return sum(self._per_endpoint.values())
 
     def __repr__(self) -> str:
         return f"<RemotePending {len(self)} requests on {len(self._begun)} chains>"
 
+    def in_flight(self, endpoint_id: str) -> int:
+        """The others' requests in flight at the endpoint (as far as their facts said)."""
+        return self._per_endpoint.get(endpoint_id, 0)
+
+    def _count(self, eid: str, n: int) -> None:
+        total = self._per_endpoint.get(eid, 0) + n
+        if total > 0:
+            self._per_endpoint[eid] = total
+        else:
+            self._per_endpoint.pop(eid, None)
+
     def begin(
-        self, eid: str, index: PrefixIndex, blocks: tuple[int, ...], n: int, now: float
+        self, eid: str, index: PrefixIndex | None, blocks: tuple[int, ...], n: int, now: float
     ) -> None:
-        key = (eid, blocks[-1])
+        key = _key(eid, blocks)
         held = self._begun.get(key)
-        if held is not None and held[0] is not index:  # the endpoint's index was replaced
-            held = None
-        count = (held[2] if held is not None else 0) + n
-        for _ in range(n):
-            index.begin(blocks)
+        count = n
+        if held is not None:
+            if held[0] is index:
+                count += held[2]
+            else:  # the endpoint's index was replaced: the old one's counts went with it
+                self._count(eid, -held[2])
+        if index is not None:
+            for _ in range(n):
+                index.begin(blocks)
         self._begun[key] = (index, blocks, count, now)
+        self._count(eid, n)
 
     def end(self, eid: str, blocks: tuple[int, ...], n: int) -> None:
         """End up to `n` of what was begun for this chain there (never more)."""
-        key = (eid, blocks[-1])
+        key = _key(eid, blocks)
         held = self._begun.get(key)
         if held is None:
             return
         index, chain, count, at = held
         k = min(n, count)
-        for _ in range(k):
-            index.end(chain)
+        if index is not None:
+            for _ in range(k):
+                index.end(chain)
         if count - k > 0:
             self._begun[key] = (index, chain, count - k, at)
         else:
             del self._begun[key]
+        self._count(eid, -k)
 
     def expire(self, now: float) -> int:
         """End what was begun over `max_age_s` ago and never ended; how many requests."""
@@ -196,8 +225,10 @@ class RemotePending:
         ended = 0
         for key in old:
             index, chain, count, _ = self._begun.pop(key)
-            for _ in range(count):
-                index.end(chain)
+            if index is not None:
+                for _ in range(count):
+                    index.end(chain)
+            self._count(key[0], -count)
             ended += count
         return ended
 
@@ -213,15 +244,15 @@ def merge(
     applied = 0
     for fact in facts:
         index = indexes.get(fact.endpoint_id)
-        if index is None or not fact.blocks:
+        if index is None:
             continue
         blocks = fact.blocks[: index.capacity]  # deeper than the index holds: no use
-        if fact.sent:
+        if blocks and fact.sent:
             index.record(blocks, now)
-        else:
+        elif blocks:
             index.computed(blocks, now)
         if fact.delta > 0:
-            remote.begin(fact.endpoint_id, index, blocks, fact.delta, now)
+            remote.begin(fact.endpoint_id, index if blocks else None, blocks, fact.delta, now)
         elif fact.delta < 0:
             remote.end(fact.endpoint_id, blocks, -fact.delta)
         applied += 1

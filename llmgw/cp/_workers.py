@@ -263,7 +263,7 @@ class WorkerHub:
             return
         while True:
             await trio.sleep(_PUSH_EVERY_S)
-            router.fleet.remote.expire(trio.current_time())
+            router.fleet.expire_remote(trio.current_time())
             if len(box):
                 self.relay.publish(0, box.take())
 

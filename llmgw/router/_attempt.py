@@ -106,6 +106,7 @@ class Sent:
         "outbox",
         "prefill",
         "state",
+        "told",
     )
 
     def __init__(
@@ -136,8 +137,11 @@ class Sent:
         if blocks:
             state.index.record(blocks, now)  # predict-on-route: siblings follow
             state.index.begin(blocks)
-            if outbox is not None:
-                outbox.sent(state.endpoint.endpoint_id, blocks)
+        # The other workers hear of every attempt: its chain where the index records
+        # one, its load where not (a spill, no prompt); `done` tells its end.
+        self.told: tuple[int, ...] | None = blocks if outbox is not None else None
+        if outbox is not None:
+            outbox.sent(state.endpoint.endpoint_id, blocks)
 
     def answering(self) -> None:
         """The answer has begun: the prompt is processed, and the engine holds it."""
@@ -154,9 +158,10 @@ class Sent:
             self.prefill = -1.0
         if self.blocks:
             self.state.index.end(self.blocks)
-            if self.outbox is not None:
-                self.outbox.ended(self.state.endpoint.endpoint_id, self.blocks)
         self.blocks = None
+        if self.outbox is not None and self.told is not None:
+            self.outbox.ended(self.state.endpoint.endpoint_id, self.told)
+            self.told = None
         self.state.pending_decode = max(0.0, self.state.pending_decode - self.decode)
         self.decode = 0.0
         self.state.in_flight -= 1

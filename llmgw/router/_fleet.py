@@ -318,7 +318,17 @@ class Fleet:
         self.remote.expire(now)
         n = merge({eid: s.index for eid, s in self._states.items()}, self.remote, facts, now)
         self.learned_facts += n
+        self._remote_counts()
         return n
+
+    def expire_remote(self, now: float) -> None:
+        """The other workers' requests not heard to end for too long: taken as ended."""
+        if self.remote.expire(now):
+            self._remote_counts()
+
+    def _remote_counts(self) -> None:
+        for eid, state in self._states.items():
+            state.remote_in_flight = self.remote.in_flight(eid)
 
     # --- following the source ------------------------------------------------------------
 
@@ -458,7 +468,7 @@ class Fleet:
                 endpoint_id=s.endpoint.endpoint_id,
                 healthy=s.healthy,
                 allowed=s.breaker.would_allow(now),
-                in_flight=s.in_flight,
+                in_flight=s.in_flight + s.remote_in_flight,  # the other workers' too
                 waiting=s.waiting,
                 running=s.running,
                 kv_usage=s.kv_usage,

@@ -147,7 +147,7 @@ async def tell(fleet: Fleet, send: Callable[[dict[str, Any]], Awaitable[None]]) 
         return
     while True:
         await trio.sleep(SHARE_EVERY_S)
-        fleet.remote.expire(trio.current_time())
+        fleet.expire_remote(trio.current_time())
         if len(box):
             await send(learned_line(box.take()))
 

@@ -95,6 +95,26 @@ def test_merge_records_begins_and_ends_only_what_it_began() -> None:
     assert index._pending == {}
 
 
+def test_the_others_requests_in_flight_are_counted_per_endpoint() -> None:
+    """Load-only facts (a spill, a route without a prompt) move only the count; chains
+    move it too. The count is what a worker adds to its own in-flight figure."""
+    index = PrefixIndex(capacity=100, half_life_s=60)
+    remote = RemotePending(max_age_s=30)
+    theirs = _chain(4, 3)
+    facts = [Learned("e", (), True, 2), Learned("e", theirs, True, 1), Learned("f", (), True, 1)]
+    merge({"e": index, "f": PrefixIndex(10, 60)}, remote, facts, now=0.0)
+    assert (remote.in_flight("e"), remote.in_flight("f"), remote.in_flight("g")) == (3, 1, 0)
+    assert len(index) == 3  # the load-only facts recorded nothing
+    merge({"e": index}, remote, [Learned("e", (), False, -5)], now=1.0)
+    assert remote.in_flight("e") == 1  # never below what was begun: the chain's one
+    box = Outbox(max_blocks=10)
+    box.sent("e", ())
+    box.sent("e", ())
+    box.ended("e", ())
+    assert box.take() == [Learned("e", (), True, 1)]
+    assert remote.expire(now=40.0) == 2 and len(remote) == 0
+
+
 def test_what_the_others_never_end_is_ended_after_max_age() -> None:
     index = PrefixIndex(capacity=100, half_life_s=60)
     remote = RemotePending(max_age_s=30)
@@ -111,7 +131,6 @@ def test_a_fact_is_checked_from_its_json_form() -> None:
     for bad in (
         ["e", 1, 1],
         ["e", 2, 1, [1]],
-        ["e", 1, 1, []],
         ["e", 1, 1, [-1]],
         ["e", 1, 1, [1 << 64]],
         [1, 1, 1, [1]],
@@ -125,7 +144,7 @@ def test_a_fact_is_checked_from_its_json_form() -> None:
 
 events = st.lists(
     st.tuples(
-        st.sampled_from(["send", "end", "tick"]),
+        st.sampled_from(["send", "spill", "end", "tick"]),
         st.sampled_from(["e1", "e2"]),
         st.integers(0, 3),  # the prompt family
         st.integers(1, 6),  # its depth in blocks
@@ -139,10 +158,11 @@ events = st.lists(
 def test_a_worker_that_hears_every_batch_holds_what_the_other_sent_and_its_in_flight(
     script: list[tuple[str, str, int, int]],
 ) -> None:
-    """Worker A sends and ends requests and tells its outbox to B at every tick; B's
-    indexes then hold every chain A's hold, B's pending marks exactly the chains A has
-    in flight, and once A's requests have all ended and been told, B has nothing
-    pending (its own counts untouched)."""
+    """Worker A sends (or spills) and ends requests and tells its outbox to B at every
+    tick; B's indexes then hold every chain A's hold, B's pending marks exactly the
+    chains A has in flight, B counts A's requests in flight per endpoint, and once A's
+    requests have all ended and been told, B has nothing pending (its own counts
+    untouched)."""
     cap = 1000
     a = {e: PrefixIndex(cap, 60) for e in ("e1", "e2")}
     b = {e: PrefixIndex(cap, 60) for e in ("e1", "e2")}
@@ -161,6 +181,7 @@ def test_a_worker_that_hears_every_batch_holds_what_the_other_sent_and_its_in_fl
             assert {h for h in a[e]._pending} == {h for h in b[e]._pending} - (
                 set(b_own) if e == "e1" else set()
             )
+            assert remote.in_flight(e) == sum(1 for x, _ in in_flight if x == e)
 
     for kind, e, family, depth in script:
         now += 1.0
@@ -170,15 +191,21 @@ def test_a_worker_that_hears_every_batch_holds_what_the_other_sent_and_its_in_fl
             a[e].begin(blocks)
             box.sent(e, blocks)
             in_flight.append((e, blocks))
+        elif kind == "spill":  # not recorded where it went: its load only
+            box.sent(e, ())
+            in_flight.append((e, ()))
         elif kind == "end" and in_flight:
             e, blocks = in_flight.pop(0)
-            a[e].end(blocks)
+            if blocks:
+                a[e].end(blocks)
             box.ended(e, blocks)
         else:
             tick()
     for e, blocks in in_flight:
-        a[e].end(blocks)
+        if blocks:
+            a[e].end(blocks)
         box.ended(e, blocks)
+    in_flight.clear()
     now += 1.0
     tick()
     assert len(remote) == 0

@@ -86,6 +86,10 @@ async def test_facts_reach_the_other_workers_and_the_control_planes_router(
         state = local.fleet.endpoint_states()["r2@n2"]
         match = state.index.match(theirs, trio.current_time())
         assert match.blocks == 4 and match.pending  # in flight there, on worker 1
+        # ... and counted in the load the control plane's router scores r2@n2 with.
+        model = local.fleet.models()["m"]
+        loads, _ = local.fleet.loads(list(model.endpoints), model, None, trio.current_time())
+        assert {x.endpoint_id: x.in_flight for x in loads} == {"r1@n1": 0, "r2@n2": 1}
         # The control plane's own router sends `mine` to r1@n1: both workers hear it,
         # and worker 1 does not hear its own fact back.
         local.fleet.endpoint_states()["r1@n1"].index.record(mine, trio.current_time())
@@ -97,6 +101,7 @@ async def test_facts_reach_the_other_workers_and_the_control_planes_router(
         await send_line(one.stream, learned_line([Learned("r2@n2", theirs, False, -1)]))
         assert await two.learned() == [["r2@n2", 0, -1, list(theirs)]]
         assert not state.index.match(theirs, trio.current_time()).pending
+        assert state.remote_in_flight == 0
         assert hub.relay.statistics()["members"] == [1, 2]
         # A worker that goes away leaves the relay.
         await one.stream.aclose()
