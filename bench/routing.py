@@ -93,6 +93,25 @@ cores are shared by both engines, the router and this load generator.
 
 Until the router has the `policy` key (RouterConfig), only least-load (today's
 router) runs; the other policies are reported as skipped.
+
+Router workers (`--workers N`, real engines; issue 24): the prefix policy is run
+twice per run, with one router and as `prefix@N` (router-only mode, `workers: N`:
+N processes on one SO_REUSEPORT port sharing what their prefix indexes learn),
+interleaved run by run on the same requests. Every request of every policy then
+opens a new connection (the kernel picks a connection's worker; a keep-alive one
+would keep its worker), in-flight samples are summed over the workers' metrics
+ports, each run prints how many requests each worker answered (`x-llmgw-worker`),
+and a last block prints the engines' cached-token share with N workers against
+one, pair by pair, with the goal (at least 0.90 on capped) marked:
+
+    .venv/bin/python bench/routing.py --workloads capped --policies prefix --workers 2 --runs 3
+
+Measured here (2026-12-06, capped, 3 runs, the 2-core machine heavily loaded by
+other benchmarks, so every rate is far below the table above): index sharing
+alone gave a cached-token share of 0.53 (0.49..0.56) with 2 workers against
+0.53 (0.50..0.55) with one, 1.00x (0.98..1.02) pair by pair: met; but with
+idle-while-busy 52-64 % (1-6 % with one worker), which counting the other
+workers' requests in flight fixed (docs/architecture.md, Workers).
 """
 
 from __future__ import annotations

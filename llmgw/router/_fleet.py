@@ -458,24 +458,32 @@ class Fleet:
         model: Model,
         prompt: Prompt | None,
         now: float,
+        estimate: RequestEstimate | None = None,
     ) -> tuple[list[EndpointLoad], list[Match]]:
-        """The scorer's figures for each candidate, and its prefix index's match."""
+        """The scorer's figures for each candidate, and its prefix index's match.
+
+        The other workers' requests in flight there (`remote_in_flight`, from their
+        prefix facts) count as this router's own in the bound's count, and in the cost
+        as a request like this one each (what the cost charges a scraped `external`
+        one; their pending tokens are theirs to know). They are in `own_at_scrape`
+        too, so a later reading does not count them again as external."""
         blocks = prompt.blocks if prompt is not None else ()
         per_block = model.estimates.tokens_per_block(self.config.prefix_block_bytes)
         matches = [s.index.match(blocks, now) if blocks else NO_MATCH for s in candidates]
+        like = estimate or model.estimate(prompt)
         loads = [
             EndpointLoad(
                 endpoint_id=s.endpoint.endpoint_id,
                 healthy=s.healthy,
                 allowed=s.breaker.would_allow(now),
-                in_flight=s.in_flight + s.remote_in_flight,  # the other workers' too
+                in_flight=s.in_flight + s.remote_in_flight,
                 waiting=s.waiting,
                 running=s.running,
                 kv_usage=s.kv_usage,
                 scraped_at=s.scraped_at,
                 own_at_scrape=s.own_at_scrape,
-                pending_prefill=s.pending_prefill,
-                pending_decode=s.pending_decode,
+                pending_prefill=s.pending_prefill + s.remote_in_flight * like.prompt_tokens,
+                pending_decode=s.pending_decode + s.remote_in_flight * like.output_tokens,
                 cached_tokens=m.credit * per_block,
             )
             for s, m in zip(candidates, matches, strict=True)
@@ -505,10 +513,11 @@ class Fleet:
                 return None
             blocks = prompt.blocks if prompt is not None else ()
             return only, (only.index.match(blocks, now) if blocks else NO_MATCH), False
-        loads, matches = self.loads(candidates, model, prompt, now)
+        estimate = estimate or model.estimate(prompt)
+        loads, matches = self.loads(candidates, model, prompt, now, estimate)
         chosen, spilled = decide(
             loads,
-            estimate or model.estimate(prompt),
+            estimate,
             now,
             self._rng,
             self.scoring,

@@ -90,6 +90,11 @@ async def test_facts_reach_the_other_workers_and_the_control_planes_router(
         model = local.fleet.models()["m"]
         loads, _ = local.fleet.loads(list(model.endpoints), model, None, trio.current_time())
         assert {x.endpoint_id: x.in_flight for x in loads} == {"r1@n1": 0, "r2@n2": 1}
+        like = model.estimate(None)  # its cost: one request like the one being placed
+        assert [(x.pending_prefill, x.pending_decode) for x in loads] == [
+            (0.0, 0.0),
+            (like.prompt_tokens, like.output_tokens),
+        ]
         # The control plane's own router sends `mine` to r1@n1: both workers hear it,
         # and worker 1 does not hear its own fact back.
         local.fleet.endpoint_states()["r1@n1"].index.record(mine, trio.current_time())
