@@ -106,12 +106,14 @@ one, pair by pair, with the goal (at least 0.90 on capped) marked:
 
     .venv/bin/python bench/routing.py --workloads capped --policies prefix --workers 2 --runs 3
 
-Measured here (2026-12-06, capped, 3 runs, the 2-core machine heavily loaded by
-other benchmarks, so every rate is far below the table above): index sharing
-alone gave a cached-token share of 0.53 (0.49..0.56) with 2 workers against
-0.53 (0.50..0.55) with one, 1.00x (0.98..1.02) pair by pair: met; but with
-idle-while-busy 52-64 % (1-6 % with one worker), which counting the other
-workers' requests in flight fixed (docs/architecture.md, Workers).
+Measured here (2026-12-06, capped; the 2-core machine heavily loaded by other
+benchmarks, so every rate is about a fifth of the table above), cached-token
+share with 2 workers against 1, pair by pair: without sharing
+(`--set prefix_sharing=false`, 2 runs) 0.91x (0.77..1.05); the index shared
+1.00x (0.98..1.02); the index and the in-flight counts shared 1.15x
+(1.14..1.16; 0.56 against 0.49), at one worker's 39 req/min: met.
+Idle-while-busy with 2 workers: 50-64 % unshared or index only, 24-37 % with
+the counts (1-6 % with one worker): docs/architecture.md, Workers.
 """
 
 from __future__ import annotations
