@@ -110,10 +110,12 @@ Measured here (2026-12-06, capped; the 2-core machine heavily loaded by other
 benchmarks, so every rate is about a fifth of the table above), cached-token
 share with 2 workers against 1, pair by pair: without sharing
 (`--set prefix_sharing=false`, 2 runs) 0.91x (0.77..1.05); the index shared
-1.00x (0.98..1.02); the index and the in-flight counts shared 1.15x
-(1.14..1.16; 0.56 against 0.49), at one worker's 39 req/min: met.
-Idle-while-busy with 2 workers: 50-64 % unshared or index only, 24-37 % with
-the counts (1-6 % with one worker): docs/architecture.md, Workers.
+1.00x (0.98..1.02, 3 runs); the index and the in-flight counts (bound only)
+1.15x (1.14..1.16) at one worker's 39 req/min; as built (the counts in the
+cost too) 1.06x (1.00..1.15; 0.57 against 0.53) at 54 against 62 req/min:
+met in every variant. Idle-while-busy with 2 workers: 50-64 % unshared or
+index only, 24-42 % with the counts (0-6 % with one worker): not met, see
+docs/architecture.md, Workers.
 """
 
 from __future__ import annotations
