@@ -3,7 +3,8 @@ control plane (worker 0) and its worker process (worker 1), two agents, each run
 the fake llama-server with a prompt cache that reports cached tokens.
 
 Each system prompt's first request goes through a connection the kernel gave one
-worker, its sibling through a connection it gave the other. The control plane relays
+worker, its sibling (once the channel is quiet) through a connection it gave the
+other. The control plane relays
 what each worker's prefix index learned (llmgw/cp/_workers.py), so the other worker's
 index holds the same chains before it has sent anything, and every sibling lands on
 the replica that has its prompt cached. (Without the relay the second worker's choice
@@ -13,6 +14,8 @@ is its own: tests/router/test_prefix_sharing.py shows the same workload then mis
 from __future__ import annotations
 
 import random
+import re
+import time
 from pathlib import Path
 
 import httpx
@@ -30,11 +33,17 @@ from llmgw.router._surface import prompt_bytes
 from llmgw.testing.cluster import LocalCluster, wait_for
 
 PROMPTS = 12
+_SHARED = re.compile(r'^llmgw_router_prefix_shared_facts_total\{outcome="(\w+)"\}\s+(\S+)', re.M)
 
 
 def system_prompt(i: int) -> str:
     rng = random.Random(i)
     return f"system {i}: " + " ".join(f"w{rng.randrange(10**6)}" for _ in range(200))
+
+
+def shared_facts(url: str) -> dict[str, str]:
+    """A worker's llmgw_router_prefix_shared_facts_total, by outcome."""
+    return dict(_SHARED.findall(httpx.get(url, timeout=5).text))
 
 
 def chain_of(system: str, question: str) -> list[int]:
@@ -84,11 +93,22 @@ def test_siblings_through_either_worker_land_where_their_prompt_is_cached(
             lambda: [index_blocks(metrics[w]) for w in (0, 1)] == [expected, expected],
             10,
         )
-        for i in order:
-            second = 1 - i % 2
-            worker, cached = ask_with_system(clients[second], "tiny", systems[i], f"again {i}")
-            assert worker == second
-            assert cached > 0, f"prompt {i}'s sibling through worker {second} missed the cache"
+
+        def quiet() -> bool:
+            """No fact told or heard on either worker for 0.3 s: every request's end has
+            reached the other worker (a request of the other's still counted in flight
+            there would rightly weigh against its endpoint)."""
+            before = [shared_facts(url) for url in metrics.values()]
+            time.sleep(0.3)
+            return before == [shared_facts(url) for url in metrics.values()]
+
+        # The siblings in two rounds, each through one worker with the other idle.
+        for second in (1, 0):
+            wait_for("the relay quiet", quiet, 10)
+            for i in (i for i in order if 1 - i % 2 == second):
+                worker, cached = ask_with_system(clients[second], "tiny", systems[i], f"again {i}")
+                assert worker == second
+                assert cached > 0, f"prompt {i}'s sibling through worker {second} missed"
     finally:
         for c in clients.values():
             c.close()

@@ -36,6 +36,11 @@ def system_prompt(i: int) -> str:
     return f"system {i}: " + " ".join(f"w{rng.randrange(10**6)}" for _ in range(200))
 
 
+def shared_facts(mport: int) -> dict[str, str]:
+    """A worker's llmgw_router_prefix_shared_facts_total, by outcome (its /metrics)."""
+    return dict(_SHARED.findall(httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text))
+
+
 def healthy(mport: int) -> int:
     """Endpoints a worker reads as healthy (its /metrics)."""
     text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
@@ -102,6 +107,15 @@ def test_siblings_through_the_other_worker_land_where_the_prompt_is_cached(
         else:
             time.sleep(0.5)  # the relay's tick is 50 ms: nothing may come in ten of them
             assert index_blocks(f"http://127.0.0.1:{mport + b}/metrics") == 0
+        if sharing:
+            # Every end A told has reached B (a request of A's still counted in flight
+            # at an endpoint would rightly weigh against it): no fact for 0.3 s.
+            def quiet() -> bool:
+                before = [shared_facts(mport + w) for w in (a, b)]
+                time.sleep(0.3)
+                return before == [shared_facts(mport + w) for w in (a, b)]
+
+            wait_for("the relay quiet", quiet, 10)
         # The siblings through B, in an order of their own (a rotation or a draw on B
         # that happened to match A's choices would not be affinity).
         order = list(range(PROMPTS))
@@ -111,10 +125,7 @@ def test_siblings_through_the_other_worker_land_where_the_prompt_is_cached(
             worker, cached = ask_with_system(second, "chat", systems[i], f"second question {i}")
             assert worker == b
             hits += cached > 0
-        shared = {
-            w: dict(_SHARED.findall(httpx.get(f"http://127.0.0.1:{mport + w}/metrics").text))
-            for w in (a, b)
-        }
+        shared = {w: shared_facts(mport + w) for w in (a, b)}
         if sharing:
             assert hits == PROMPTS  # every sibling found its prompt cached
             # A told each first request's dispatch and end (coalesced when both fell in
