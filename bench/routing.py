@@ -93,6 +93,29 @@ cores are shared by both engines, the router and this load generator.
 
 Until the router has the `policy` key (RouterConfig), only least-load (today's
 router) runs; the other policies are reported as skipped.
+
+Router workers (`--workers N`, real engines; issue 24): the prefix policy is run
+twice per run, with one router and as `prefix@N` (router-only mode, `workers: N`:
+N processes on one SO_REUSEPORT port sharing what their prefix indexes learn),
+interleaved run by run on the same requests. Every request of every policy then
+opens a new connection (the kernel picks a connection's worker; a keep-alive one
+would keep its worker), in-flight samples are summed over the workers' metrics
+ports, each run prints how many requests each worker answered (`x-llmgw-worker`),
+and a last block prints the engines' cached-token share with N workers against
+one, pair by pair, with the goal (at least 0.90 on capped) marked:
+
+    .venv/bin/python bench/routing.py --workloads capped --policies prefix --workers 2 --runs 3
+
+Measured here (2026-12-06, capped; the 2-core machine heavily loaded by other
+benchmarks, so every rate is about a fifth of the table above), cached-token
+share with 2 workers against 1, pair by pair: without sharing
+(`--set prefix_sharing=false`, 2 runs) 0.91x (0.77..1.05); the index shared
+1.00x (0.98..1.02, 3 runs); the index and the in-flight counts (bound only)
+1.15x (1.14..1.16) at one worker's 39 req/min; as built (the counts in the
+cost too) 1.06x (1.00..1.15; 0.57 against 0.53) at 54 against 62 req/min:
+met in every variant. Idle-while-busy with 2 workers: 50-64 % unshared or
+index only, 24-42 % with the counts (0-6 % with one worker): not met, see
+docs/architecture.md, Workers.
 """
 
 from __future__ import annotations
@@ -237,10 +260,31 @@ def policy_supported() -> bool:
     return re.search(r"^\s+policy: str\b", source, re.M) is not None
 
 
+def split_workers(label: str) -> tuple[str, int]:
+    """`prefix@2` -> ("prefix", 2): a policy run with that many router workers (--workers)."""
+    policy, _, n = label.partition("@")
+    return policy, int(n) if n else 1
+
+
+def free_ports(n: int) -> int:
+    """A port p with p..p+n-1 free (worker i serves its metrics on metrics_listen + i)."""
+    for _ in range(100):
+        port = free_port()
+        try:
+            for i in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + i))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def start_router(
-    tmp: Path, engines: list[tuple[str, int]], policy: str, extra: dict[str, Any]
+    tmp: Path, engines: list[tuple[str, int]], label: str, extra: dict[str, Any]
 ) -> tuple[Proc, int, int]:
-    port, mport = free_port(), free_port()
+    policy, workers = split_workers(label)
+    port, mport = free_port(), free_ports(workers)
     cfg: dict[str, Any] = {
         "listen": f"127.0.0.1:{port}",
         "metrics_listen": f"127.0.0.1:{mport}",
@@ -256,26 +300,29 @@ def start_router(
         cfg["policy"] = policy
     elif policy != "least-load":
         raise RuntimeError(f"this router has no `policy` key; cannot run {policy}")
-    path = tmp / f"router-{policy}.yaml"
+    if workers > 1:
+        cfg["workers"] = workers
+    path = tmp / f"router-{label}.yaml"
     path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
     argv = [sys.executable, "-m", "llmgw.router", "--config", str(path)]
-    proc = Proc(f"llmgw-router ({policy})", argv, tmp / f"router-{policy}.log")
-    wait_http(f"http://127.0.0.1:{mport}/healthz", [proc])
-    # Every endpoint healthy in the router's own view before the run starts.
-    deadline = time.monotonic() + 30
+    proc = Proc(f"llmgw-router ({label})", argv, tmp / f"router-{label}.log")
+    # Every endpoint healthy in each worker's own view before the run starts.
     want = {a for a, _ in engines}
-    with httpx.Client(timeout=2.0) as c:
-        while True:
-            text = c.get(f"http://127.0.0.1:{mport}/metrics").text
-            healthy = {e for e, v in _HEALTHY.findall(text) if float(v) == 1.0}
-            if want <= healthy:
-                break
-            proc.check()
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"router: endpoints {sorted(want - healthy)} not healthy in 30 s"
-                )
-            time.sleep(0.1)
+    for w in range(workers):
+        wait_http(f"http://127.0.0.1:{mport + w}/healthz", [proc])
+        deadline = time.monotonic() + 30
+        with httpx.Client(timeout=2.0) as c:
+            while True:
+                text = c.get(f"http://127.0.0.1:{mport + w}/metrics").text
+                healthy = {e for e, v in _HEALTHY.findall(text) if float(v) == 1.0}
+                if want <= healthy:
+                    break
+                proc.check()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"router worker {w}: endpoints {sorted(want - healthy)} not healthy in 30 s"
+                    )
+                time.sleep(0.1)
     return proc, port, mport
 
 
@@ -311,6 +358,7 @@ class Result:
         self.cached_tokens: int | None = None
         self.error: str | None = None
         self.system = ""  # the system prompt, to see where each one went
+        self.worker: str | None = None  # the router worker that answered (x-llmgw-worker)
 
 
 async def one_request(
@@ -334,6 +382,7 @@ async def one_request(
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return r
+            r.worker = resp.headers.get("x-llmgw-worker", "").split(";")[0] or None
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -358,13 +407,18 @@ async def one_request(
 
 
 async def sample_in_flight(
-    mport: int, stop: asyncio.Event, out: list[tuple[float, list[float]]]
+    mport: int, stop: asyncio.Event, out: list[tuple[float, list[float]]], workers: int = 1
 ) -> None:
+    """Each endpoint's in-flight count, summed over the router's workers."""
     async with httpx.AsyncClient(timeout=2.0) as c:
         while not stop.is_set():
             try:
-                text = (await c.get(f"http://127.0.0.1:{mport}/metrics")).text
-                out.append((time.monotonic(), [float(v) for _, v in _IN_FLIGHT.findall(text)]))
+                held: dict[str, float] = {}
+                for w in range(workers):
+                    text = (await c.get(f"http://127.0.0.1:{mport + w}/metrics")).text
+                    for e, v in _IN_FLIGHT.findall(text):
+                        held[e] = held.get(e, 0.0) + float(v)
+                out.append((time.monotonic(), list(held.values())))
             except httpx.HTTPError:
                 pass
             with contextlib.suppress(TimeoutError):
@@ -372,15 +426,25 @@ async def sample_in_flight(
 
 
 async def drive(
-    port: int, mport: int, requests: list[list[dict[str, str]]], concurrency: int, max_tokens: int
+    port: int,
+    mport: int,
+    requests: list[list[dict[str, str]]],
+    concurrency: int,
+    max_tokens: int,
+    workers: int = 1,
+    fresh_connections: bool = False,
 ) -> tuple[list[Result], list[tuple[float, list[float]]]]:
+    """`fresh_connections`: a new connection per request (--workers: the kernel picks a
+    connection's worker, and a keep-alive connection would keep one worker's share)."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     todo = list(enumerate(requests))
     results: list[Result] = []
     samples: list[tuple[float, list[float]]] = []
     stop = asyncio.Event()
     headers = {"authorization": f"Bearer {KEY}"}
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    limits = httpx.Limits(
+        max_connections=concurrency + 4, max_keepalive_connections=0 if fresh_connections else None
+    )
     async with httpx.AsyncClient(timeout=300.0, headers=headers, limits=limits) as client:
 
         async def worker() -> None:
@@ -388,7 +452,7 @@ async def drive(
                 _, messages = todo.pop(0)
                 results.append(await one_request(client, url, messages, max_tokens))
 
-        sampler = asyncio.create_task(sample_in_flight(mport, stop, samples))
+        sampler = asyncio.create_task(sample_in_flight(mport, stop, samples, workers))
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         stop.set()
         await sampler
@@ -464,6 +528,10 @@ def summarize(
         if with_usage
         else None,
         "seconds": t1 - t0,
+        "workers": {
+            w: sum(r.worker == w for r in done)
+            for w in sorted({r.worker for r in done if r.worker is not None})
+        },
     }
 
 
@@ -482,6 +550,11 @@ def print_run(label: str, s: dict[str, Any]) -> None:
         f"busiest {fmt(s['busiest'], '.2f')}{counts}  "
         f"idle-while-busy {fmt(s['idle_busy'], '.1%')}  "
         f"prompt {fmt(s['prompt_tokens_mean'], '.0f')} tok"
+        + (
+            "  by worker " + " ".join(f"{w}:{n}" for w, n in s["workers"].items())
+            if len(s.get("workers") or {}) > 1
+            else ""
+        )
         + (f"  ERRORS {len(s['errors'])}: {s['errors'][0]}" if s["errors"] else ""),
         flush=True,
     )
@@ -614,7 +687,15 @@ def real(args: argparse.Namespace, policies: list[str]) -> None:
                         router, rport, mport = start_router(tmp, engines, policy, args.set)
                         procs.append(router)
                         results, samples = asyncio.run(
-                            drive(rport, mport, requests, args.concurrency, args.max_tokens)
+                            drive(
+                                rport,
+                                mport,
+                                requests,
+                                args.concurrency,
+                                args.max_tokens,
+                                split_workers(policy)[1],
+                                fresh_connections=args.workers > 1,
+                            )
                         )
                         s = summarize(results, samples, None)
                     finally:
@@ -623,6 +704,31 @@ def real(args: argparse.Namespace, policies: list[str]) -> None:
                     runs[policy].append(s)
                     print_run(f"run {k + 1} {policy}", s)
         print_table(all_runs, args.engines, True, args.set.get("load_bound_epsilon", EPSILON))
+        if args.workers > 1:
+            print_workers(all_runs, args.workers)
+
+
+def print_workers(all_runs: dict[str, dict[str, list[dict[str, Any]]]], workers: int) -> None:
+    """The cached-token share with `workers` router workers against one, pair by pair
+    (issue 24: at least 90 % of one worker's on the capped workload)."""
+    print(f"\nAffinity across router workers (prefix policy, {workers} workers against 1):")
+    for wl, runs in all_runs.items():
+        one, many = runs.get("prefix") or [], runs.get(f"prefix@{workers}") or []
+        pairs = [
+            (a["hit"], b["hit"])
+            for a, b in zip(one, many, strict=False)
+            if a["hit"] and b["hit"] is not None
+        ]
+        share = [b / a for a, b in pairs]
+        line = (
+            f"  {wl}: cached-token share 1 worker {mmm([a for a, _ in pairs], '.2f')}, "
+            f"{workers} workers {mmm([b for _, b in pairs], '.2f')}; "
+            f"ratio {mmm(list(share), '.2f')} over {len(share)} pairs"
+        )
+        if wl == "capped":
+            ok = statistics.mean(share) >= 0.9 if share else None
+            line += f"; >= 0.90: {'n/a' if ok is None else ('met' if ok else 'UNMET')}"
+        print(line)
 
 
 def simulated(args: argparse.Namespace, policies: list[str]) -> None:
@@ -709,6 +815,14 @@ def main() -> None:
     parser.add_argument(
         "--f16", action="store_true", help="F16 weights (the issue's model; slower prefill)"
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="N > 1: also run the prefix policy with N router workers (prefix@N), a new "
+        "connection per request for every policy, and print the cached-token share "
+        "with N workers against 1 (real engines)",
+    )
     parser.add_argument("--simulated", action="store_true", help="fake engines, at scale")
     parser.add_argument("--endpoints", default="16,64", help="simulated endpoint counts")
     parser.add_argument("--sim-requests", type=int, default=2000)
@@ -752,6 +866,12 @@ def main() -> None:
                 f"{', '.join(skipped)}; least-load is today's router"
             )
         policies = [p for p in policies if p == "least-load"]
+    if args.workers > 1:
+        if args.simulated:
+            parser.error("--workers: real engines only")
+        if "prefix" not in policies:
+            policies.append("prefix")
+        policies.append(f"prefix@{args.workers}")
     if not policies:
         parser.error("no policy left to run")
     started = time.monotonic()

@@ -790,3 +790,67 @@ async def asgi_call(
     }
     await app(scope, receive, send)
     return int(sent[0]["status"]), json.loads(sent[1]["body"])
+
+
+# --- router workers: one connection per worker, what each worker's index holds -------------
+
+_WORKER_INDEX = re.compile(r"^(\d+); pid=\d+$")
+_INDEX_BLOCKS = re.compile(r"^llmgw_router_prefix_index_blocks\{[^}]*\}\s+(\S+)", re.M)
+
+
+def worker_index(headers: Any) -> int:
+    """The router worker that answered (`x-llmgw-worker: <index>; pid=<pid>`)."""
+    match = _WORKER_INDEX.match(headers["x-llmgw-worker"])
+    assert match, headers["x-llmgw-worker"]
+    return int(match[1])
+
+
+def one_client_per_worker(base_url: str, key: str, workers: int = 2) -> dict[int, Any]:
+    """Keep-alive httpx clients of one connection each, one per router worker (the kernel
+    picks a connection's worker; a keep-alive connection stays on it)."""
+    import httpx
+
+    found: dict[int, httpx.Client] = {}
+    spare: list[httpx.Client] = []
+    try:
+        for _ in range(100):
+            client = httpx.Client(
+                base_url=base_url,
+                headers={"authorization": f"Bearer {key}"},
+                limits=httpx.Limits(max_connections=1),
+                timeout=30,
+            )
+            worker = worker_index(client.get("/v1/models").headers)
+            (spare if worker in found else []).append(client)
+            found.setdefault(worker, client)
+            if len(found) == workers:
+                break
+    finally:
+        for c in spare:
+            c.close()
+    assert sorted(found) == list(range(workers)), f"connections reached {sorted(found)} only"
+    return found
+
+
+def index_blocks(metrics_url: str) -> float:
+    """Blocks a router worker's prefix indexes hold, over its endpoints (its /metrics)."""
+    import httpx
+
+    return sum(float(v) for v in _INDEX_BLOCKS.findall(httpx.get(metrics_url, timeout=5).text))
+
+
+def ask_with_system(client: Any, model: str, system: str, question: str) -> tuple[int, int]:
+    """(worker index, cached prompt tokens the engine reported) for one chat request."""
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 2,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return worker_index(r.headers), int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])

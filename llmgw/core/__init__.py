@@ -74,6 +74,7 @@ from llmgw.core._placement import (
     place,
 )
 from llmgw.core._prefix import NO_MATCH, Match, PrefixIndex, chain
+from llmgw.core._prefix_share import Learned, Outbox, RemotePending, merge
 from llmgw.core._reconcile import (
     DesiredModel,
     ObservedShard,
@@ -209,6 +210,7 @@ __all__ = [
     "HeartbeatSeen",
     "InFlight",
     "InvalidShardTransition",
+    "Learned",
     "Liveness",
     "LivenessEvent",
     "LivenessPolicy",
@@ -219,6 +221,7 @@ __all__ = [
     "NodeFacts",
     "NodeState",
     "ObservedShard",
+    "Outbox",
     "Placement",
     "PlacementProfile",
     "Placer",
@@ -230,6 +233,7 @@ __all__ = [
     "Refusal",
     "Registered",
     "Reject",
+    "RemotePending",
     "ReplicaMeaning",
     "ReplicaState",
     "ReplicaView",
@@ -300,6 +304,7 @@ __all__ = [
     "lease_ask",
     "may_delete",
     "memory_faults",
+    "merge",
     "min_lease",
     "next_shard_state",
     "node_facts",

@@ -8,8 +8,11 @@ Blocks and chains
     Block i's hash covers block i and, through block i-1's hash, everything
     before it: two prompts share a hash at depth i exactly when their first
     i + 1 blocks are equal (a 64-bit collision aside, which costs only a wrong
-    guess about a cache). The hash is Python's own (SipHash): the fastest here
-    by far, and an index never leaves the process that made it.
+    guess about a cache). The hash is BLAKE2b with an 8-byte digest, salted
+    with the previous block's: the same in every process, so router workers
+    can tell each other what their indexes learned (llmgw/core/_prefix_share.py).
+    Measured here: 0.7 us a 256-byte block (an 8 KB prompt in 23 us); Python's
+    own hash() takes 0.2 us but is seeded afresh in every process.
 
 The index (one per endpoint)
     The router's own record of the chains it has sent to an endpoint
@@ -58,6 +61,7 @@ The index (one per endpoint)
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -73,13 +77,15 @@ _LEARN = 0.5
 
 
 def chain(prompt: bytes, block_bytes: int) -> list[int]:
-    """The chain hashes of the prompt's whole blocks, first block first."""
+    """The chain hashes of the prompt's whole blocks, first block first (unsigned
+    64-bit; equal in every process)."""
     out: list[int] = []
-    h = 0
+    digest = b""
     end = len(prompt) - len(prompt) % block_bytes
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
     for i in range(0, end, block_bytes):
-        h = hash((h, prompt[i : i + block_bytes]))
-        out.append(h)
+        digest = blake2b(prompt[i : i + block_bytes], digest_size=8, salt=digest).digest()
+        out.append(from_bytes(digest, "little"))
     return out
 
 

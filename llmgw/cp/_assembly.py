@@ -311,6 +311,7 @@ async def assemble(
             store_location(cfg.store, cfg.state_dir, "server.yaml"),
             key_path,
             config.split_host_port(cfg.admin_listen),
+            local=router,
         )
         if workers > 1
         else None

@@ -12,10 +12,15 @@ worker, JSON lines both ways:
     cp -> worker   {"router": {...}, "store": WHERE, "admin_key": PATH}  once (server.yaml)
     cp -> worker   {"version": V, "endpoints": {model: [[id, model, engine, host, port, slots]]},
                     "traffic": {split: {versions, keys}}}  (llmgw.router.encode_traffic)
-                   at once, then whenever the fleet view's version moves (checked every 100 ms)
+                   at once, then whenever the fleet view's version moves (checked every 50 ms)
     worker -> cp   {"version": V, "in_flight": {endpoint id: n},    every 200 ms, and at once
                     "quarantined": {endpoint id: reason}}           after applying a new view
                                                                     (absent ids: 0, none)
+    both ways      {"learned": [[endpoint id, sent, delta, [block hash, ...]], ...]}
+                   what a worker's prefix index learned, every 50 ms when there is any;
+                   the control plane relays each worker's to every other worker and applies
+                   it to its own router (worker 0), whose facts it sends to all
+                   (llmgw/router/_share.py, llmgw/core/_prefix_share.py)
 
 A persistent connection rather than HTTP polling: the view reaches a worker
 within about 100 ms of a change with no request per poll, and the connection
@@ -43,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -58,20 +62,28 @@ import trio
 
 from llmgw import config
 from llmgw._process import run_service, setup_logging
-from llmgw.core import TrafficSplit
+from llmgw.core import Learned, Outbox, TrafficSplit
 from llmgw.cp._admin import read_admin_key
 from llmgw.router import (
     Endpoint,
     EndpointSource,
+    Lines,
+    LineSender,
+    Relay,
     Router,
     RouterConfig,
     StoreKeys,
     decode_traffic,
     encode_traffic,
+    hear,
     keep_worker,
+    learned_line,
     listener_limits,
     metrics_app,
+    parse_learned,
+    send_line,
     serve_http,
+    tell,
 )
 from llmgw.store import open_store
 
@@ -79,36 +91,12 @@ log = logging.getLogger("llmgw.cp.workers")
 
 SOCKET_NAME = "router.sock"
 STALE_S = 1.0  # a worker not heard from for this long: in-flight counts unknown
-_PUSH_EVERY_S = 0.1
+_PUSH_EVERY_S = 0.05  # views checked, and learned facts relayed, this often
 _REPORT_EVERY_S = 0.2
-_MAX_LINE = 64 << 20
 
 
-class _Lines:
-    """JSON values, one per line, from a stream."""
-
-    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
-        self._stream = stream
-        self._buf = bytearray()
-
-    async def next(self) -> Any:
-        """The next value; EOFError when the peer closed."""
-        while True:
-            i = self._buf.find(b"\n")
-            if i >= 0:
-                line = bytes(self._buf[:i])
-                del self._buf[: i + 1]
-                return json.loads(line)
-            if len(self._buf) > _MAX_LINE:
-                raise ValueError(f"a line longer than {_MAX_LINE} bytes on the worker channel")
-            chunk = await self._stream.receive_some(1 << 16)
-            if not chunk:
-                raise EOFError
-            self._buf += chunk
-
-
-async def _send(stream: trio.abc.SendStream, value: Any) -> None:
-    await stream.send_all(json.dumps(value, separators=(",", ":")).encode() + b"\n")
+_Lines = Lines  # the channel's line reader (llmgw/router/_share.py)
+_send = send_line
 
 
 def _encode(source: EndpointSource) -> dict[str, Any]:
@@ -146,12 +134,17 @@ class WorkerHub:
         store: str | Path,
         admin_key_path: Path,
         metrics_at: tuple[str, int] | None = None,
+        local: Router | None = None,
     ) -> None:
         """`store`: where the control plane's store is (`open_store`'s argument): each
         worker opens it to read keys. `metrics_at`: the admin listener's host and port;
-        worker i serves its own `/metrics` on that port + i."""
+        worker i serves its own `/metrics` on that port + i. `local`: the control plane's
+        own router (worker 0), which shares what its prefix index learns with the workers
+        (llmgw/router/_share.py) through this hub, the relay."""
         self._source = source
         self.workers = workers
+        self._local = local
+        self.relay = Relay()
         # The admin key's file: a worker explains decisions to it too.
         self._setup: dict[str, Any] = {
             "router": dict(router_section),
@@ -204,6 +197,8 @@ class WorkerHub:
                 await nursery.start(
                     trio.serve_listeners, self._connection, [trio.SocketListener(sock)]
                 )
+                if self._local is not None:
+                    nursery.start_soon(self._tell_local, self._local)
                 task_status.started()
         finally:
             with contextlib.suppress(OSError):
@@ -220,10 +215,14 @@ class WorkerHub:
                 return
             await _send(stream, self._setup)
             log.info("router worker %d (pid %s) connected", index, hello.get("pid"))
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._push, stream, nursery.cancel_scope)
-                await self._receive(index, lines)
-                nursery.cancel_scope.cancel()
+            box = self.relay.join(index)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._push, stream, box, nursery.cancel_scope)
+                    await self._receive(index, lines)
+                    nursery.cancel_scope.cancel()
+            finally:
+                self.relay.leave(index, box)
         except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except (ValueError, KeyError, TypeError) as exc:
@@ -239,6 +238,9 @@ class WorkerHub:
         try:
             while True:
                 msg = await lines.next()
+                if "learned" in msg:
+                    self._learned(index, parse_learned(msg))
+                    continue
                 counts = {str(k): int(v) for k, v in msg["in_flight"].items()}
                 wedged = {str(k): str(v) for k, v in msg.get("quarantined", {}).items()}
                 self._reports[index] = _Report(
@@ -249,7 +251,26 @@ class WorkerHub:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("router worker %d: bad report on the channel: %s", index, exc)
 
-    async def _push(self, stream: trio.SocketStream, scope: trio.CancelScope) -> None:
+    def _learned(self, source: int, facts: list[Learned]) -> None:
+        """Worker `source`'s index learned `facts`: the others are to hear them."""
+        self.relay.publish(source, facts)
+        if self._local is not None:
+            self._local.fleet.learned(facts, trio.current_time())
+
+    async def _tell_local(self, router: Router) -> None:
+        """What worker 0's (this process's) index learns, to the relay."""
+        box = router.fleet.outbox
+        if box is None:
+            return
+        while True:
+            await trio.sleep(_PUSH_EVERY_S)
+            router.fleet.expire_remote(trio.current_time())
+            if len(box):
+                self.relay.publish(0, box.take())
+
+    async def _push(self, stream: trio.SocketStream, box: Outbox, scope: trio.CancelScope) -> None:
+        """The fleet view whenever its version moves, and what the other workers learned
+        (`box`, this worker's outbox at the relay): the channel's only writer."""
         sent: int | None = None
         try:
             while True:
@@ -257,6 +278,8 @@ class WorkerHub:
                     view = _encode(self._source)
                     await _send(stream, view)
                     sent = view["version"]
+                if len(box):
+                    await _send(stream, learned_line(box.take()))
                 await trio.sleep(_PUSH_EVERY_S)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             scope.cancel()
@@ -327,7 +350,8 @@ async def run_worker(
     stream = await trio.open_unix_socket(str(socket_path))
     async with stream:
         lines = _Lines(stream)
-        await _send(stream, {"hello": index, "pid": os.getpid()})
+        send = LineSender(stream)  # the reporter, the view loop and `tell` all write
+        await send({"hello": index, "pid": os.getpid()})
         setup = await lines.next()
         router_cfg = config.structure(setup["router"], RouterConfig, "server.yaml", at="router")
         source = RemoteEndpoints()
@@ -355,7 +379,7 @@ async def run_worker(
             wedged = router.fleet.quarantined()
             if wedged:
                 msg["quarantined"] = wedged
-            await _send(stream, msg)
+            await send(msg)
 
         async def reporter(scope: trio.CancelScope) -> None:
             try:
@@ -364,6 +388,12 @@ async def run_worker(
                     await trio.sleep(_REPORT_EVERY_S)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 log.warning("router worker %d: the control plane is gone, stopping", index)
+                scope.cancel()
+
+        async def teller(scope: trio.CancelScope) -> None:
+            try:
+                await tell(router.fleet, send)  # what the index learns, to the others
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
                 scope.cancel()
 
         try:
@@ -377,6 +407,7 @@ async def run_worker(
                     port,
                 )
                 nursery.start_soon(reporter, nursery.cancel_scope)
+                nursery.start_soon(teller, nursery.cancel_scope)
                 metrics_note = ""
                 if setup.get("metrics"):
                     mhost, mport = str(setup["metrics"][0]), int(setup["metrics"][1]) + index
@@ -407,7 +438,11 @@ async def run_worker(
                 task_status.started()
                 try:
                     while True:
-                        source.apply(await lines.next())
+                        msg = await lines.next()
+                        if "learned" in msg:  # what the other workers' indexes learned
+                            hear(router.fleet, msg)
+                            continue
+                        source.apply(msg)
                         router.refresh()
                         await report()
                 except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):

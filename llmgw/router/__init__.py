@@ -22,6 +22,18 @@ from llmgw.router._router import (
     RouterConfig,
 )
 from llmgw.router._server import serve as serve_http
+from llmgw.router._share import (
+    Lines,
+    LineSender,
+    Relay,
+    hear,
+    learned_line,
+    parse_learned,
+    send_line,
+    serve_relay,
+    share_via_relay,
+    tell,
+)
 from llmgw.router._surface import HttpError
 from llmgw.router._traffic import VERSION_HEADER, decode_traffic, encode_traffic
 from llmgw.router._types import Endpoint, EndpointSource, StaticEndpoints
@@ -37,7 +49,10 @@ __all__ = [
     "EndpointSource",
     "HttpError",
     "KeyStore",
+    "LineSender",
+    "Lines",
     "ListenerLimits",
+    "Relay",
     "Router",
     "RouterConfig",
     "StaticEndpoints",
@@ -45,9 +60,16 @@ __all__ = [
     "StoreKeys",
     "decode_traffic",
     "encode_traffic",
+    "hear",
     "keep_worker",
+    "learned_line",
     "listener_limits",
     "metrics_app",
+    "parse_learned",
+    "send_line",
     "serve_http",
     "serve_hypercorn",
+    "serve_relay",
+    "share_via_relay",
+    "tell",
 ]

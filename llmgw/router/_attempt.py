@@ -34,6 +34,7 @@ from llmgw.core import (
     BreakerEvent,
     ContinuationRefusal,
     Match,
+    Outbox,
     head_outcome,
     learn,
     learn_pace,
@@ -98,7 +99,17 @@ class Sent:
     """One attempt's share of an endpoint's own load and of its index's in-flight
     prefills, each taken back exactly once."""
 
-    __slots__ = ("blocks", "decode", "flight", "guessed_tokens", "match", "prefill", "state")
+    __slots__ = (
+        "blocks",
+        "decode",
+        "flight",
+        "guessed_tokens",
+        "match",
+        "outbox",
+        "prefill",
+        "state",
+        "told",
+    )
 
     def __init__(
         self,
@@ -110,8 +121,11 @@ class Sent:
         blocks: tuple[int, ...],
         now: float,
         expected_first_byte_s: float | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
+        """`outbox`: where the other router workers learn what this index records."""
         self.state = state
+        self.outbox = outbox
         self.prefill = prefill
         self.decode = decode
         self.match = match
@@ -125,6 +139,11 @@ class Sent:
         if blocks:
             state.index.record(blocks, now)  # predict-on-route: siblings follow
             state.index.begin(blocks)
+        # The other workers hear of every attempt: its chain where the index records
+        # one, its load where not (a spill, no prompt); `done` tells its end.
+        self.told: tuple[int, ...] | None = blocks if outbox is not None else None
+        if outbox is not None:
+            outbox.sent(state.endpoint.endpoint_id, blocks)
 
     def answering(self) -> None:
         """The answer has begun: the prompt is processed, and the engine holds it."""
@@ -142,6 +161,9 @@ class Sent:
         if self.blocks:
             self.state.index.end(self.blocks)
         self.blocks = None
+        if self.outbox is not None and self.told is not None:
+            self.outbox.ended(self.state.endpoint.endpoint_id, self.told)
+            self.told = None
         self.state.pending_decode = max(0.0, self.state.pending_decode - self.decode)
         self.decode = 0.0
         self.state.in_flight -= 1
@@ -237,6 +259,7 @@ class Attempts:
                 model.estimates.first_byte_s(
                     estimate.prompt_tokens - cached, estimate.output_tokens, not ask.stream
                 ),
+                fleet.outbox,
             )
             told = False  # whether the breaker has had the head's verdict
             try:

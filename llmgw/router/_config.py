@@ -80,6 +80,9 @@ class RouterConfig:
     prefix_block_bytes: int = attrs.field(default=256, validator=between(16, 1 << 20))
     prefix_blocks_per_endpoint: int = attrs.field(default=8192, validator=between(1, 1 << 24))
     prefix_half_life_s: float = attrs.field(default=300.0, validator=positive(86400))
+    # With workers > 1: each worker tells the others what its index learned
+    # (llmgw/core/_prefix_share.py), so a prompt keeps one home whichever worker takes it.
+    prefix_sharing: bool = True
     breaker_failures: int = attrs.field(default=5, validator=_positive)
     breaker_open_s: float = attrs.field(default=10.0, validator=positive(3600))
     key_cache_ttl_s: float = attrs.field(default=30.0, validator=positive(86400))

@@ -29,13 +29,17 @@ from llmgw.core import (
     BreakerState,
     EndpointLoad,
     Estimates,
+    Learned,
     Match,
+    Outbox,
     PrefixIndex,
     Queued,
+    RemotePending,
     RequestEstimate,
     ScoringConfig,
     TrafficSplit,
     decide,
+    merge,
 )
 from llmgw.router._config import RouterConfig
 from llmgw.router._record import Prompt
@@ -44,6 +48,10 @@ from llmgw.router._tenants import share
 from llmgw.router._types import Endpoint, EndpointSource
 
 log = logging.getLogger("llmgw.router")
+
+# A worker's untold facts (llmgw/core/_prefix_share.py) are bounded by this many block
+# hashes (about 20 bytes each on the wire): 8 chains of 8,192 blocks, 2 MiB of prompts.
+SHARE_MAX_BLOCKS = 65536
 
 
 class Model:
@@ -115,6 +123,10 @@ class FleetStatistics:
     waiting: int  # requests waiting in a queue
     stale_after_s: float  # a reading older than this is unknown to the scorer
     taken_at: float | None = attrs.field(default=None, eq=False)
+    # Prefix facts shared with the other workers (llmgw/core/_prefix_share.py), ever:
+    # "told" (sent), "heard" (theirs applied here), "dropped" (over the outbox's bound).
+    # None: this router shares nothing (one worker, or sharing off).
+    prefix_shared: Mapping[str, int] | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The snapshot as JSON (`Router.statistics()`): the breaker state by name."""
@@ -142,6 +154,7 @@ class FleetStatistics:
                 for eid, e in self.endpoints.items()
             },
             "waiting": self.waiting,
+            "prefix_shared": None if self.prefix_shared is None else dict(self.prefix_shared),
         }
 
 
@@ -190,6 +203,15 @@ class Fleet:
         self._leaving: dict[str, list[EndpointState]] = {}
         self._seen_version: int | None = None
         self._waiters: dict[str, _Waiter] = {}
+        # What this worker's indexes learn, for the other workers (llmgw/core/_prefix_share.py);
+        # None: nothing to tell (one worker, sharing off, or no prefix policy).
+        self.outbox: Outbox | None = (
+            Outbox(SHARE_MAX_BLOCKS)
+            if config.workers > 1 and config.prefix_sharing and config.policy == "prefix"
+            else None
+        )
+        self.remote = RemotePending()  # what the others' facts began in these indexes
+        self.learned_facts = 0  # the others' facts applied here, ever
         self.refresh()
 
     def __repr__(self) -> str:
@@ -279,7 +301,34 @@ class Fleet:
             waiting=len(self._waiters),
             stale_after_s=self.scoring.stale_after_s,
             taken_at=trio.current_time() if _in_trio() else None,
+            prefix_shared=None
+            if self.outbox is None
+            else {
+                "told": self.outbox.taken,
+                "heard": self.learned_facts,
+                "dropped": self.outbox.dropped,
+            },
         )
+
+    # --- what the other workers' indexes learned ------------------------------------------
+
+    def learned(self, facts: Iterable[Learned], now: float) -> int:
+        """Apply the other workers' facts to the indexes (llmgw/core/_prefix_share.py
+        `merge`); how many applied. Their requests never ended are ended after a while."""
+        self.remote.expire(now)
+        n = merge({eid: s.index for eid, s in self._states.items()}, self.remote, facts, now)
+        self.learned_facts += n
+        self._remote_counts()
+        return n
+
+    def expire_remote(self, now: float) -> None:
+        """The other workers' requests not heard to end for too long: taken as ended."""
+        if self.remote.expire(now):
+            self._remote_counts()
+
+    def _remote_counts(self) -> None:
+        for eid, state in self._states.items():
+            state.remote_in_flight = self.remote.in_flight(eid)
 
     # --- following the source ------------------------------------------------------------
 
@@ -409,24 +458,32 @@ class Fleet:
         model: Model,
         prompt: Prompt | None,
         now: float,
+        estimate: RequestEstimate | None = None,
     ) -> tuple[list[EndpointLoad], list[Match]]:
-        """The scorer's figures for each candidate, and its prefix index's match."""
+        """The scorer's figures for each candidate, and its prefix index's match.
+
+        The other workers' requests in flight there (`remote_in_flight`, from their
+        prefix facts) count as this router's own in the bound's count, and in the cost
+        as a request like this one each (what the cost charges a scraped `external`
+        one; their pending tokens are theirs to know). They are in `own_at_scrape`
+        too, so a later reading does not count them again as external."""
         blocks = prompt.blocks if prompt is not None else ()
         per_block = model.estimates.tokens_per_block(self.config.prefix_block_bytes)
         matches = [s.index.match(blocks, now) if blocks else NO_MATCH for s in candidates]
+        like = estimate or model.estimate(prompt)
         loads = [
             EndpointLoad(
                 endpoint_id=s.endpoint.endpoint_id,
                 healthy=s.healthy,
                 allowed=s.breaker.would_allow(now),
-                in_flight=s.in_flight,
+                in_flight=s.in_flight + s.remote_in_flight,
                 waiting=s.waiting,
                 running=s.running,
                 kv_usage=s.kv_usage,
                 scraped_at=s.scraped_at,
                 own_at_scrape=s.own_at_scrape,
-                pending_prefill=s.pending_prefill,
-                pending_decode=s.pending_decode,
+                pending_prefill=s.pending_prefill + s.remote_in_flight * like.prompt_tokens,
+                pending_decode=s.pending_decode + s.remote_in_flight * like.output_tokens,
                 cached_tokens=m.credit * per_block,
             )
             for s, m in zip(candidates, matches, strict=True)
@@ -456,10 +513,11 @@ class Fleet:
                 return None
             blocks = prompt.blocks if prompt is not None else ()
             return only, (only.index.match(blocks, now) if blocks else NO_MATCH), False
-        loads, matches = self.loads(candidates, model, prompt, now)
+        estimate = estimate or model.estimate(prompt)
+        loads, matches = self.loads(candidates, model, prompt, now, estimate)
         chosen, spilled = decide(
             loads,
-            estimate or model.estimate(prompt),
+            estimate,
             now,
             self._rng,
             self.scoring,

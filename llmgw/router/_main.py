@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
@@ -44,6 +46,7 @@ from llmgw.router import _hypercorn as _hc
 from llmgw.router import _request_id, _server
 from llmgw.router._keys import CachedKeys, KeyStore, StaticKeys, StoreKeys
 from llmgw.router._router import Router, RouterConfig
+from llmgw.router._share import serve_relay, share_via_relay
 from llmgw.router._types import Endpoint, StaticEndpoints
 from llmgw.store import open_sqlite_file
 from llmgw.web.asgi import App, Receive, Scope, Send, lifespan
@@ -284,11 +287,14 @@ async def serve(
     *,
     worker: int = 0,
     port: int | None = None,
+    relay: Path | None = None,
     task_status: trio.TaskStatus[Router] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the router; with `router_cfg.workers` > 1, as worker `worker` of them, on
     `port` (the supervisor's, shared with SO_REUSEPORT) and metrics on metrics_listen's
-    port + `worker`. A worker stops when its supervisor is gone."""
+    port + `worker`, telling the others what its prefix index learns through the
+    supervisor's `relay` socket (llmgw/router/_share.py). A worker stops when its
+    supervisor is gone."""
     admin_key = None
     if file_cfg.admin_key_file is not None:
         try:
@@ -338,6 +344,8 @@ async def serve(
                     metrics_at = f"; metrics on http://{host}:{mport}/metrics"
                 if workers > 1:
                     nursery.start_soon(_exit_with_parent, os.getppid(), nursery.cancel_scope)
+                if relay is not None:
+                    nursery.start_soon(share_via_relay, router.fleet, relay, worker)
                 log.info(
                     "router listening on http://%s for %d endpoints of %d models%s%s",
                     file_cfg.listen if port is None else f"{host}:{port}",
@@ -366,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     # Set by the supervisor for the worker processes it starts (workers: N > 1).
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--relay", type=Path, default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(args)
     try:
         file_cfg, router_cfg, endpoints = load(ns.config)
@@ -389,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     name = "llmgw-router" if ns.worker is None else f"llmgw-router worker {ns.worker}"
     return run_service(
         name,
-        lambda: serve(file_cfg, router_cfg, endpoints, worker=ns.worker or 0, port=ns.port),
+        lambda: serve(
+            file_cfg, router_cfg, endpoints, worker=ns.worker or 0, port=ns.port, relay=ns.relay
+        ),
     )
 
 
@@ -432,29 +443,43 @@ async def supervise(
 ) -> None:
     """Run `router_cfg.workers` worker processes of this router on one port until
     cancelled (SIGTERM to each, then SIGKILL after `_STOP_GRACE_S`); restart any that
-    dies. A worker's configuration error (exit 2) stops them all (the file is broken)."""
+    dies. A worker's configuration error (exit 2) stops them all (the file is broken).
+    With prefix sharing (the prefix policy and `prefix_sharing`), relay what each
+    worker's prefix index learns to the others (llmgw/router/_share.py) over a Unix
+    socket in a directory of the supervisor's own (mode 0700)."""
     host, port = config.split_host_port(file_cfg.listen)
     holder = _hold_port(str(path), host, port)
     port = int(holder.getsockname()[1])
     workers = router_cfg.workers
+    sharing = router_cfg.prefix_sharing and router_cfg.policy == "prefix"
+    relay_dir = Path(tempfile.mkdtemp(prefix="llmgw-router-")) if sharing else None
     try:
         async with trio.open_nursery() as nursery:
+            relay = None
+            if relay_dir is not None:
+                relay = relay_dir / "relay.sock"
+                await nursery.start(serve_relay, relay, workers)
             for i in range(workers):
                 argv = [sys.executable, "-m", "llmgw.router", "--config", str(path)]
                 argv += ["--worker", str(i), "--port", str(port)]
+                if relay is not None:
+                    argv += ["--relay", str(relay)]
                 if log_level:
                     argv += ["--log-level", log_level]
                 nursery.start_soon(keep_worker, i, argv)
             log.info(
-                "router: %d workers on http://%s:%d (pid %d supervises)",
+                "router: %d workers on http://%s:%d (pid %d supervises)%s",
                 workers,
                 host,
                 port,
                 os.getpid(),
+                f"; prefix relay on {relay}" if relay is not None else "",
             )
             task_status.started(port)
     finally:
         holder.close()
+        if relay_dir is not None:
+            shutil.rmtree(relay_dir, ignore_errors=True)
 
 
 async def keep_worker(index: int, argv: list[str]) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from llmgw.core import BreakerState
@@ -370,3 +370,12 @@ class _StateCollector(Collector):
         yield from (depth, in_flight, limit, ep_in_flight, healthy, breaker, running, waiting, kv)
         yield from (pending_prefill, pending_decode, blocks, half_life)
         yield age
+        shared = CounterMetricFamily(
+            "llmgw_router_prefix_shared_facts",
+            "Prefix-index facts shared with the other router workers: told (sent), heard "
+            "(theirs applied here), dropped (over the outbox's bound); none with one worker",
+            labels=["outcome"],
+        )
+        for outcome, n in (snapshot.prefix_shared or {}).items():
+            shared.add_metric([outcome], n)
+        yield shared

@@ -62,6 +62,7 @@ class EndpointState:
         "pool",
         "progress_at",
         "quarantine",
+        "remote_in_flight",
         "running",
         "scrape_pool",
         "scraped_at",
@@ -86,7 +87,11 @@ class EndpointState:
         # tokens of requests not yet answering, expected output tokens of those in flight.
         self.pending_prefill = 0.0
         self.pending_decode = 0.0
-        self.own_at_scrape: int | None = None  # in_flight when the last reading was taken
+        # The other router workers' requests in flight here, as their prefix facts said
+        # (llmgw/core/_prefix_share.py; 0 with one worker): counted as this router's own.
+        self.remote_in_flight = 0
+        # in_flight (+ remote_in_flight) when the last reading was taken
+        self.own_at_scrape: int | None = None
         self.running: float | None = None
         self.waiting: float | None = None
         self.kv_usage: float | None = None
@@ -173,13 +178,14 @@ class Scraper:
             names = engines.metric_names(e.engine)
         except Exception:
             names = None
-        # Our own requests the reading counts: the more of the two ends, so that a
-        # request of ours ending mid-reading is not taken for someone else's.
-        own = state.in_flight
+        # Our own requests the reading counts (the other workers' we know of too): the more
+        # of the two ends, so that a request of ours ending mid-reading is not taken for
+        # someone else's.
+        own = state.in_flight + state.remote_in_flight
         try:
             with trio.fail_after(self.timeout_s):
                 status, body = await state.scrape_pool.get(b"/metrics", self.timeout_s)
-                own = max(own, state.in_flight)
+                own = max(own, state.in_flight + state.remote_in_flight)
                 running = waiting = kv = generated = None
                 if status == 200 and names is not None:
                     load = engines.parse_load(body.decode("utf-8", "replace"), names)
