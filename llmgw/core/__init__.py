@@ -93,6 +93,9 @@ from llmgw.core._scoring import (
     choose,
     decide,
     explain,
+    queued,
+    rendezvous_weight,
+    uncached,
 )
 from llmgw.core._shard import RUNNING as RUNNING_SHARD_STATES
 from llmgw.core._shard import HealthRun, ShardEvent
@@ -282,14 +285,17 @@ __all__ = [
     "placement_profile",
     "plan_reclaim",
     "prefill_echo",
+    "queued",
     "reconcile",
     "registered",
+    "rendezvous_weight",
     "resume_plan",
     "rollout_model",
     "route",
     "shares",
     "socket_interface",
     "step",
+    "uncached",
     "unhealthy_words",
     "wanted_cache_names",
     "wedged",
