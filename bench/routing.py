@@ -34,23 +34,23 @@ router's own count, `llmgw_router_endpoint_in_flight_requests`, sampled every
 25 ms from its metrics listener: sent and not yet finished, so a request
 waiting inside an engine for a slot counts. Then a table per workload x
 policy: mean (min..max) over runs, each policy's ratio to round robin pair by
-pair (run k against run k), and the goals of issue 11 marked.
+pair (run k against run k) and to the oracle, and the goals of issue 24 marked.
 
     .venv/bin/python bench/routing.py [--runs 4] [--requests 80] [--concurrency 3]
         [--engines 2] [--workloads capped,default,unique]
-        [--policies round-robin,least-load,prefix] [--max-tokens 16] [--cache-ram 68]
-        [--set load_bound_epsilon=0.25 ...]     (any RouterConfig field, every router)
+        [--policies round-robin,least-load,prefix,oracle] [--max-tokens 16] [--cache-ram 68]
+        [--set load_bound_epsilon=1.0 ...]     (any RouterConfig field, every router)
         [--f16]                                 (F16 weights instead of F32)
 
-The default (4 runs x 3 policies x 3 workloads, 80 requests each) takes about
-16 minutes on a 2-core machine (one run of each: 232 s).
+The default (4 runs x 4 policies x 3 workloads, 80 requests each) takes about
+21 minutes on a quiet 2-core machine (one run of each of 3 policies: 232 s).
 
 Simulated (`--simulated`): the fake engine (`python -m llmgw.testing.fake_engine`,
 llama-server flavour, `-np 2`) given a prefix cache (`LLMGW_FAKE_PREFIX_CACHE_TOKENS`,
 an LRU in tokens; `LLMGW_FAKE_PREFILL_TOKEN_DELAY` seconds per uncached prompt
 token; the fake counts a word as a token, so the prompts are ~300 tokens there)
 at 16 and 64 endpoints (`--endpoints 16,64`), `--sim-requests` (2,000) a run,
-1.5 requests in flight per endpoint, same three policies and workloads,
+1.5 requests in flight per endpoint, the same policies and workloads,
 `--runs` 1 unless given. capped: each fake's cache holds 4 system prompts;
 default: a million tokens. The fakes stay up for all runs of one workload and
 size; each run salts its prompts with a word of its own at the front, so no
@@ -60,36 +60,45 @@ run finds another's prefixes cached. Delays: 2 ms a prompt token
 fake and this load generator; with shorter delays the Python processes, not
 the modelled engines, set the pace, and the policies stop differing.
 
-Goals (issue 11, for the prefix policy, real engines, >= 4 runs a policy,
-compared pair by pair with round robin): capped: >= 1.5x round robin's completed
-requests and TTFT p50 <= 0.3 s; default and unique: >= 1.0x round robin; all:
-idle-while-another-holds-2+ <= 10 % of the time, and the busiest endpoint's
-share within the load bound ((1 + epsilon) / endpoints, epsilon 0.25).
+Policies: round-robin, least-load and prefix are the router's (`policy`); oracle
+is the fixed-home oracle of issue 24: the client gives each system prompt one
+server, the k-th distinct prompt server k mod n (8 prompts on 2 engines: 4
+each, what each capped cache holds), and the request goes through a router
+like the others (least-load with `affinity_header`, a key per prompt whose
+rendezvous endpoint is that server, the bound off), so it pays the same hops.
 
-Measured here (2026-12-01, the default run, 4 runs a policy; mean (min..max),
-ratio to round robin pair by pair):
+Goals (issue 24, for the prefix policy, real engines, >= 4 runs a policy,
+pair by pair): capped: >= 0.9x the oracle's completed requests (about 1.7x
+round robin); unique: >= 1.0x round robin, with idle-while-another-holds-2+
+<= 5 % in every run; default: >= 1.2x round robin.
 
-    capped   rr 239 (212..250) req/min, TTFT p50 0.61 s, hit 0.50, idle-while-busy 36 %
-             least-load 1.16x (1.08..1.28), TTFT 0.62 s, hit 0.48, idle 1 %
-             prefix     1.26x (1.11..1.39), TTFT 0.39 s (0.13..0.64), hit 0.54, idle 2 %
-    default  rr 323 req/min; least-load 1.28x; prefix 1.27x (1.22..1.33), idle 1 %
-    unique   rr 148 req/min; least-load 0.99x; prefix 0.99x (0.98..1.00)
+Measured here (2026-12-06, issue 24's cost-priced spills; mean (min..max),
+ratios pair by pair). capped, 4 runs a policy, the machine at a load average
+of 1-2.5 from other work:
 
-Met: default >= 1x, idle-while-busy <= 10 % and the busiest share within the
-bound everywhere. Not met: capped >= 1.5x and TTFT p50 <= 0.3 s; unique is
-0.99x, level with round robin within its 1-2 % spread (for identical unique
-requests on identical engines strict alternation is already the best
-schedule). What limits the capped case is the bound itself: with 3 in flight
-on 2 engines, ceil(1.25 x 3 / 2) = 2 per engine, so whenever the engine
-holding one request finishes it (about 60 % of decisions in a trace of the
-router's choices) the next request must go to the idle engine whatever its
-prompt, and each such spill also evicts one of that engine's ~4 cached prompts.
-With the bound loosened (`--set load_bound_epsilon=1.0`, 2 runs) affinity does
-form (hit 0.65, 1.25 engines per prompt, TTFT p50 0.21 s: met) but one engine
-then sits idle while the other holds 2+ 41 % of the time and throughput stays
-at 1.28x. Round robin here does 212-250 req/min where the issue measured 104:
-this model's cold prefill is 0.8 s, not 1.3 s, so a hit saves less, and the two
-cores are shared by both engines, the router and this load generator.
+    capped   rr 130 (115..155) req/min, TTFT p50 1.13 s, hit 0.47, idle-while-busy 36 %
+             least-load 1.12x rr, hit 0.48, idle 1 %
+             prefix     1.41x rr (1.08..1.63), 0.98x the oracle (0.93..1.06),
+                        TTFT p50 0.37 s, hit 0.67, 1.53 engines a prompt, idle 40 %
+             oracle     1.45x rr (1.02..1.62), TTFT p50 0.25 s, hit 0.72, idle 61 %
+
+unique and default, 2 runs of 40 requests, at a load average of 4-13 (every
+figure 2-5x slower, single runs vary by up to 2x):
+
+    unique   (2 runs of 40) prefix 1.19x rr (1.17..1.22), idle-while-busy 0-1 %
+             (rr 2 %); the oracle, round robin on unique prompts, read 1.38x:
+             the load fell during these runs and later policies gained
+    default  (2 runs of 40) prefix 1.72x rr (1.07..2.37), 1.01x the oracle
+
+Met: capped >= 0.9x the oracle in every pair; unique >= 1x round robin with
+idle-while-busy <= 5 %; default >= 1.2x round robin (on the mean; one pair of
+two was 1.07x). Not reached: "about 1.7x round robin" on capped, because the
+oracle itself is 1.45x here. At a load average of 8-13 the capped run gave
+1.13x the oracle (0.59..1.42): in one run of four prefix's homes drifted (1.88
+engines a prompt, hit 0.55). Before issue 24 (2026-12-01, a quiet machine,
+the count bound with epsilon 0.25): capped prefix 1.26x round robin, which
+issue 24 measured as 0.79x of the oracle; the bound moved about 60 % of
+decisions off the engine holding the prompt (see llmgw/core/_scoring.py).
 
 Until the router has the `policy` key (RouterConfig), only least-load (today's
 router) runs; the other policies are reported as skipped.
@@ -149,10 +158,12 @@ from llmgw.testing import tiny_gguf  # noqa: E402
 
 MODEL = "bench"
 KEY = "llmgw-bench-routing-key"
-POLICIES = ("round-robin", "least-load", "prefix")
+POLICIES = ("round-robin", "least-load", "prefix", "oracle")
 WORKLOADS = ("capped", "default", "unique")
-SHORT = {"round-robin": "rr", "least-load": "least", "prefix": "prefix"}
-EPSILON = 0.25
+SHORT = {"round-robin": "rr", "least-load": "least", "prefix": "prefix", "oracle": "oracle"}
+# The oracle: a fixed home per system prompt, chosen by the client and carried to the
+# router in this header (its `affinity_header`, by rendezvous hashing; see oracle_keys).
+HOME_HEADER = "x-bench-home"
 SYSTEM_PROMPTS = 8
 SYSTEM_WORDS = 300  # ~1,900 tokens with this tokenizer (near character level)
 QUESTION_WORDS = 6
@@ -296,7 +307,12 @@ def start_router(
         "log_level": "warning",
         **extra,
     }
-    if policy_supported():  # router-only mode: RouterConfig's fields at the top level
+    if policy == "oracle":
+        # Through a router like the others (same hops, same CPU on a shared machine), but
+        # the client's key decides: the key's rendezvous endpoint is taken while within
+        # the bound, and epsilon 10 never binds. least-load: no prompt is hashed.
+        cfg.update(policy="least-load", affinity_header=HOME_HEADER, load_bound_epsilon=10)
+    elif policy_supported():  # router-only mode: RouterConfig's fields at the top level
         cfg["policy"] = policy
     elif policy != "least-load":
         raise RuntimeError(f"this router has no `policy` key; cannot run {policy}")
@@ -333,6 +349,30 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(tiny_gguf.WORDS) for _ in range(n))
 
 
+def oracle_keys(requests: list[list[dict[str, str]]], endpoints: list[str]) -> list[str]:
+    """The fixed-home oracle's header value for each request: the k-th distinct system
+    prompt lives on endpoint k mod n (8 prompts on 2 engines: 4 each, what each
+    capped cache holds), as a key whose rendezvous endpoint is that one."""
+    from llmgw.core import rendezvous_weight
+
+    ordered = sorted(endpoints)
+    homes: dict[str, str] = {}
+    keys: dict[str, str] = {}
+    out = []
+    for messages in requests:
+        system = messages[0]["content"]
+        if system not in keys:
+            home = homes[system] = ordered[len(homes) % len(ordered)]
+            key = next(
+                k
+                for k in (f"home-{len(keys)}-{i}" for i in itertools.count())
+                if max(ordered, key=lambda e, k=k: (rendezvous_weight(k, e), e)) == home
+            )
+            keys[system] = key
+        out.append(keys[system])
+    return out
+
+
 def workload(kind: str, n: int, seed: int, salt: str = "") -> list[list[dict[str, str]]]:
     """The requests' messages, in order. `salt` leads every system prompt (see --simulated)."""
     rng = random.Random(f"{kind}-{seed}")
@@ -362,7 +402,11 @@ class Result:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    home: str | None = None,
 ) -> Result:
     r = Result()
     r.system = messages[0]["content"]
@@ -378,7 +422,8 @@ async def one_request(
     }
     r.start = time.monotonic()
     try:
-        async with client.stream("POST", url, json=body) as resp:
+        headers = {HOME_HEADER: home} if home is not None else None
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return r
@@ -433,6 +478,7 @@ async def drive(
     max_tokens: int,
     workers: int = 1,
     fresh_connections: bool = False,
+    homes: list[str] | None = None,
 ) -> tuple[list[Result], list[tuple[float, list[float]]]]:
     """`fresh_connections`: a new connection per request (--workers: the kernel picks a
     connection's worker, and a keep-alive connection would keep one worker's share)."""
@@ -449,8 +495,9 @@ async def drive(
 
         async def worker() -> None:
             while todo:
-                _, messages = todo.pop(0)
-                results.append(await one_request(client, url, messages, max_tokens))
+                i, messages = todo.pop(0)
+                home = homes[i] if homes is not None else None
+                results.append(await one_request(client, url, messages, max_tokens, home))
 
         sampler = asyncio.create_task(sample_in_flight(mport, stop, samples, workers))
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -570,8 +617,10 @@ def mmm(values: list[float | None], spec: str = ".0f") -> str:
     return f"{format(statistics.mean(vs), spec)} ({format(min(vs), spec)}..{format(max(vs), spec)})"
 
 
-def ratios(runs: dict[str, list[dict[str, Any]]], policy: str, key: str) -> list[float]:
-    base = runs.get("round-robin") or []
+def ratios(
+    runs: dict[str, list[dict[str, Any]]], policy: str, key: str, base_policy: str = "round-robin"
+) -> list[float]:
+    base = runs.get(base_policy) or []
     out = []
     for a, b in zip(runs.get(policy) or [], base, strict=False):
         if a[key] is not None and b[key]:
@@ -583,29 +632,29 @@ def print_table(
     all_runs: dict[str, dict[str, list[dict[str, Any]]]],
     endpoints: int,
     goals: bool,
-    epsilon: float = EPSILON,
 ) -> None:
-    bound = (1 + epsilon) / endpoints
     print()
     print(
         "| workload | policy | req/min | TTFT p50 s | hit ratio | endpoints/prompt | "
-        f"idle-while-busy | busiest share (bound {bound:.2f}) | req/min vs rr | TTFT p50 vs rr |"
+        "idle-while-busy | busiest share | req/min vs rr | req/min vs oracle | "
+        "TTFT p50 vs rr |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for wl, runs in all_runs.items():
         for policy, rs in runs.items():
             rr = ratios(runs, policy, "rpm") if policy != "round-robin" else []
+            ro = ratios(runs, policy, "rpm", "oracle") if policy != "oracle" else []
             tr = ratios(runs, policy, "ttft_p50") if policy != "round-robin" else []
             cells = [mmm([r["rpm"] for r in rs])]
             cells += [
                 mmm([r[k] for r in rs], ".2f") for k in ("ttft_p50", "hit", "spread", "idle_busy")
             ]
             cells.append(mmm([r["busiest"] for r in rs], ".2f"))
-            cells += [mmm(list(x), ".2f") + "x" if x else "-" for x in (rr, tr)]
+            cells += [mmm(list(x), ".2f") + "x" if x else "-" for x in (rr, ro, tr)]
             print(f"| {wl} | {policy} ({len(rs)} runs) | " + " | ".join(cells) + " |")
     if not goals:
         return
-    print("\nGoals (issue 11; prefix policy, pair by pair against round robin):")
+    print("\nGoals (issue 24; the prefix policy, pair by pair, run k against run k):")
 
     def mark(ok: bool | None) -> str:
         return "n/a" if ok is None else ("met" if ok else "UNMET")
@@ -616,26 +665,28 @@ def print_table(
             print(f"  {wl}: prefix policy not run")
             continue
         rr = ratios(runs, "prefix", "rpm")
-        want = 1.5 if wl == "capped" else 1.0
+        if wl == "capped":
+            ro = ratios(runs, "prefix", "rpm", "oracle")
+            ok = statistics.mean(ro) >= 0.9 if ro else None
+            print(
+                f"  capped: req/min >= 0.9x the oracle's: {mark(ok)} "
+                f"({mmm(list(ro), '.2f')}x over {len(ro)} pairs; "
+                f"{mmm(list(rr), '.2f')}x round robin, the oracle "
+                f"{mmm(ratios(runs, 'oracle', 'rpm'), '.2f')}x)"
+            )
+            continue
+        want = 1.2 if wl == "default" else 1.0
         ok = statistics.mean(rr) >= want if rr else None
         print(
             f"  {wl}: req/min >= {want}x round robin: {mark(ok)} "
             f"({mmm(list(rr), '.2f')}x over {len(rr)} pairs)"
         )
-        if wl == "capped":
-            t = [r["ttft_p50"] for r in prefix if r["ttft_p50"] is not None]
-            okt = statistics.mean(t) <= 0.3 if t else None
-            print(f"  {wl}: TTFT p50 <= 0.3 s: {mark(okt)} ({mmm(list(t), '.2f')} s)")
-        ib = [r["idle_busy"] for r in prefix if r["idle_busy"] is not None]
-        print(
-            f"  {wl}: idle-while-busy <= 10 % in every run: "
-            f"{mark(max(ib) <= 0.10 if ib else None)} ({mmm(list(ib), '.2f')})"
-        )
-        bs = [r["busiest"] for r in prefix if r["busiest"] is not None]
-        print(
-            f"  {wl}: busiest share <= {bound:.2f} in every run: "
-            f"{mark(max(bs) <= bound + 1e-9 if bs else None)} ({mmm(list(bs), '.2f')})"
-        )
+        if wl == "unique":
+            ib = [r["idle_busy"] for r in prefix if r["idle_busy"] is not None]
+            print(
+                f"  unique: idle-while-busy <= 5 % in every run: "
+                f"{mark(max(ib) <= 0.05 if ib else None)} ({mmm(list(ib), '.2f')})"
+            )
     lens = {len(rs) for runs in all_runs.values() for rs in runs.values()}
     if min(lens, default=0) < 4:
         print(
@@ -686,6 +737,11 @@ def real(args: argparse.Namespace, policies: list[str]) -> None:
                             wait_http(f"http://127.0.0.1:{port}/health", [p])
                         router, rport, mport = start_router(tmp, engines, policy, args.set)
                         procs.append(router)
+                        homes = (
+                            oracle_keys(requests, [a for a, _ in engines])
+                            if policy == "oracle"
+                            else None
+                        )
                         results, samples = asyncio.run(
                             drive(
                                 rport,
@@ -695,6 +751,7 @@ def real(args: argparse.Namespace, policies: list[str]) -> None:
                                 args.max_tokens,
                                 split_workers(policy)[1],
                                 fresh_connections=args.workers > 1,
+                                homes=homes,
                             )
                         )
                         s = summarize(results, samples, None)
@@ -703,7 +760,7 @@ def real(args: argparse.Namespace, policies: list[str]) -> None:
                             p.stop()
                     runs[policy].append(s)
                     print_run(f"run {k + 1} {policy}", s)
-        print_table(all_runs, args.engines, True, args.set.get("load_bound_epsilon", EPSILON))
+        print_table(all_runs, args.engines, True)
         if args.workers > 1:
             print_workers(all_runs, args.workers)
 
@@ -782,8 +839,20 @@ def simulated(args: argparse.Namespace, policies: list[str]) -> None:
                                 router, rport, mport = start_router(tmp, engines, policy, args.set)
                                 try:
                                     before = completed(engines)
+                                    homes = (
+                                        oracle_keys(requests, [a for a, _ in engines])
+                                        if policy == "oracle"
+                                        else None
+                                    )
                                     results, samples = asyncio.run(
-                                        drive(rport, mport, requests, concurrency, args.max_tokens)
+                                        drive(
+                                            rport,
+                                            mport,
+                                            requests,
+                                            concurrency,
+                                            args.max_tokens,
+                                            homes,
+                                        )
                                     )
                                     after = completed(engines)
                                 finally:
@@ -797,7 +866,7 @@ def simulated(args: argparse.Namespace, policies: list[str]) -> None:
                     for p in procs:
                         p.stop()
         print(f"\n-- simulated, {n} endpoints")
-        print_table(all_runs, n, False, args.set.get("load_bound_epsilon", EPSILON))
+        print_table(all_runs, n, False)
 
 
 def main() -> None:

@@ -110,6 +110,9 @@ from llmgw.core._scoring import (
     choose,
     decide,
     explain,
+    queued,
+    rendezvous_weight,
+    uncached,
 )
 from llmgw.core._shard import RUNNING as RUNNING_SHARD_STATES
 from llmgw.core._shard import HealthRun, ShardEvent
@@ -315,8 +318,10 @@ __all__ = [
     "placement_profile",
     "plan_reclaim",
     "prefill_echo",
+    "queued",
     "reconcile",
     "registered",
+    "rendezvous_weight",
     "restore_budget",
     "resume_plan",
     "rollout_model",
@@ -325,6 +330,7 @@ __all__ = [
     "socket_interface",
     "step",
     "stream_metering",
+    "uncached",
     "unhealthy_words",
     "unused_lease",
     "wanted_cache_names",

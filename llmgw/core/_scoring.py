@@ -31,25 +31,55 @@ Scraped figures
 
 Cost (in prompt-token equivalents; lower is better)
 
-    cost = (prompt_tokens - cached_tokens)            this request's prefill there
-         + pending_prefill + decode_cost x pending_decode
-         + external x unit                            (or unknown_penalty x unit)
-         + kv_full_penalty x unit                     (when kv >= kv_full)
+    cost = uncached + queued
+    uncached = prompt_tokens - cached_tokens          this request's prefill there
+    queued   = pending_prefill + decode_cost x pending_decode
+             + external x unit                        (or unknown_penalty x unit)
+             + kv_full_penalty x unit                 (when kv >= kv_full)
 
     `unit` is this request's own work (prompt_tokens + decode_cost x
     output_tokens), standing in for a typical request of the model;
     `decode_cost` is how many prompt tokens one output token costs (the router
-    learns it from llama.cpp's timings). `cached_tokens` is the prefix index's
-    credit for this request on that endpoint (llmgw/core/_prefix.py); with the
-    `least-load` policy it is 0 everywhere.
+    learns it from llama.cpp's timings; 4 until then: unknown is a default,
+    never 0). `cached_tokens` is the prefix index's credit for this request on
+    that endpoint (llmgw/core/_prefix.py); with the `least-load` policy it is 0
+    everywhere. Every term is work the engine must do before this request is
+    done, in one unit: the model's learned prefill rate (ms a prompt token,
+    llmgw/core/_estimates.py) would turn each into seconds, and the same rate
+    on both sides of a comparison changes no choice, so the scorer never needs
+    it (and a model whose engines report no timings is priced alike).
 
-The bound (consistent hashing with bounded loads)
-    An endpoint's load is its request count: `in_flight` + known `external`.
-    No endpoint takes a new request while that would put it over
-    ceil((1 + epsilon) x (total + 1) / n), n the eligible endpoints. Some
-    endpoint always fits (the least loaded one), so the bound never refuses a
-    request; it only makes cache affinity, and header affinity, yield before
-    one endpoint becomes the hotspot.
+Spill by cost, not by count
+    A request goes where it costs least. So a prompt cached on a busier endpoint
+    stays there exactly while that endpoint's queued work plus the little it has
+    left to prefill is below another's queued work plus the whole prefill it
+    would do: a cache hit behind a short queue wins, and the request spills
+    only when waiting costs more than computing the prompt again. That also
+    bounds what a hot prefix can pile on: the cached endpoint's queue exceeds
+    the least loaded one's by at most the prompt's cached tokens.
+
+    The count bound this replaces (ceil((1 + 0.25) x (total + 1) / n)) moved
+    about 60 % of decisions on bench/routing.py's capped workload (2 engines,
+    3 in flight) off the engine holding the prompt, and each such spill
+    evicted a cached prompt there; llmgw reached 0.79x of a client-side
+    oracle that sends each system prompt to one fixed engine.
+
+    A spill (`decide`'s flag) is a request sent away from the prompt's home:
+    some eligible endpoint is credited with at least half of the prompt
+    (`_HOME_SHARE`, the share the index counts a report as a hit) and the
+    chosen one with less. The router does not record a spill's prompt where it
+    went, so one overflow does not move the home.
+
+The hot-spot bound (consistent hashing with bounded loads, kept wide)
+    The cost rests on estimates (output tokens, decode cost); a count does not.
+    So no endpoint takes a new request while that would put its request count
+    (`in_flight` + known `external`) over ceil((1 + epsilon) x (total + 1) / n),
+    n the eligible endpoints, with a wide epsilon (1.0 by default: at most
+    twice the mean, plus one). It is a guard against a real hot spot when the
+    estimates are wrong, not the spill rule: with 2 endpoints and epsilon >= 1
+    it never binds (the cap is at least total + 1), and there the cost alone
+    decides. Some endpoint always fits (the least loaded one), so the bound
+    never refuses a request.
 
 Choice
     Eligible: healthy and allowed by its breaker. Among the eligible endpoints
@@ -79,6 +109,9 @@ import attrs
 Policy = Literal["prefix", "least-load", "round-robin"]
 POLICIES: tuple[Policy, ...] = ("prefix", "least-load", "round-robin")
 _TIE = 1e-9
+# An endpoint credited with at least this share of the prompt is its home (a spill is a
+# request sent elsewhere); the same share the prefix index counts a report as a hit.
+_HOME_SHARE = 0.5
 _ID = operator.attrgetter("endpoint_id")
 
 
@@ -143,7 +176,7 @@ class ScoringConfig:
     policy: Policy = attrs.field(default="prefix", validator=_policy)
     scrape_interval_s: float = attrs.field(default=1.0, validator=_positive)
     stale_after_intervals: float = attrs.field(default=3.0, validator=_positive)
-    epsilon: float = attrs.field(default=0.25, validator=_non_negative)
+    epsilon: float = attrs.field(default=1.0, validator=_non_negative)
     # At or above this KV use the engine queues or preempts new work.
     kv_full: float = attrs.field(default=0.95, validator=_fraction)
     kv_full_penalty: float = attrs.field(default=1.0, validator=_non_negative)
@@ -185,8 +218,20 @@ def load(e: EndpointLoad, now: float, config: ScoringConfig) -> float:
 
 
 def cost(e: EndpointLoad, request: RequestEstimate, now: float, config: ScoringConfig) -> float:
-    """The expected cost of sending `request` there (see the module doc)."""
-    return _cost(e, request, external(e, now, config), fresh(e, now, config), config)
+    """The expected cost of sending `request` there: uncached + queued (the module doc)."""
+    return uncached(e, request, config) + queued(e, request, now, config)
+
+
+def uncached(e: EndpointLoad, request: RequestEstimate, config: ScoringConfig) -> float:
+    """The prompt tokens the endpoint would prefill for `request` (all of them with a
+    policy that counts no prefix)."""
+    return request.prompt_tokens - _cached(e, request, config)
+
+
+def queued(e: EndpointLoad, request: RequestEstimate, now: float, config: ScoringConfig) -> float:
+    """The work queued there before `request` would be done, in prompt-token equivalents:
+    the router's own pending prefill and decode, others' requests, a full KV cache."""
+    return _queued(e, request, external(e, now, config), fresh(e, now, config), config)
 
 
 def _cost(
@@ -196,9 +241,22 @@ def _cost(
     is_fresh: bool,
     config: ScoringConfig,
 ) -> float:
+    return (
+        request.prompt_tokens
+        - _cached(e, request, config)
+        + _queued(e, request, ext, is_fresh, config)
+    )
+
+
+def _queued(
+    e: EndpointLoad,
+    request: RequestEstimate,
+    ext: float | None,
+    is_fresh: bool,
+    config: ScoringConfig,
+) -> float:
     unit = request.unit
-    total = request.prompt_tokens - _cached(e, request, config)
-    total += max(0.0, e.pending_prefill) + request.decode_cost * max(0.0, e.pending_decode)
+    total = max(0.0, e.pending_prefill) + request.decode_cost * max(0.0, e.pending_decode)
     total += (config.unknown_penalty if ext is None else ext) * unit
     if is_fresh:
         kv = _known(e.kv_usage)
@@ -265,8 +323,8 @@ def decide(
     affinity: str | None = None,
     rotation: int = 0,
 ) -> tuple[str | None, bool]:
-    """`choose`, and whether the bound moved the request off a cheaper endpoint (a
-    spill: the router then leaves the prompt's home where it was)."""
+    """`choose`, and whether the request was sent away from the endpoint that holds its
+    prompt (a spill: the router then leaves the prompt's home where it was)."""
     # On every request's path: one pass for the figures, one for the costs, and the
     # same helpers `cost` and `load` use (explain shows what this computes).
     eligible = [e for e in endpoints if e.healthy and e.allowed]
@@ -301,12 +359,24 @@ def decide(
         elif c - best <= _TIE * max(1.0, abs(best)):
             tied.append(e.endpoint_id)
     chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
-    spilled = len(within) < len(rows) and any(
-        _cost(e, request, ext, is_fresh, config) < best - _TIE * max(1.0, abs(best))
-        for e, n, ext, is_fresh in rows
-        if n + 1 > cap
-    )
-    return chosen, spilled
+    return chosen, _spilled(rows, chosen, request, config)
+
+
+def _spilled(
+    rows: Sequence[tuple[EndpointLoad, float, float | None, bool]],
+    chosen: str,
+    request: RequestEstimate,
+    config: ScoringConfig,
+) -> bool:
+    """Whether `chosen` is away from the prompt's home (see the module doc)."""
+    home = request.prompt_tokens * _HOME_SHARE
+    if home <= 0:
+        return False
+    best = max(_cached(e, request, config) for e, *_ in rows)
+    if best < home:
+        return False
+    mine = next(_cached(e, request, config) for e, *_ in rows if e.endpoint_id == chosen)
+    return mine < home
 
 
 @attrs.frozen
@@ -323,6 +393,7 @@ class Candidate:
     uncached_tokens: float
     pending_prefill: float
     pending_decode: float
+    queued: float | None  # work queued there, prompt-token equivalents; None: not eligible
     external: float | None
     running: float | None
     waiting: float | None
@@ -353,7 +424,7 @@ def explain(
     rotation: int = 0,
 ) -> Decision:
     """`choose`, with every candidate's figures and the reason for the winner."""
-    chosen = choose(endpoints, request, now, rng, config, affinity, rotation)
+    chosen, spilled = decide(endpoints, request, now, rng, config, affinity, rotation)
     eligible = [e for e in endpoints if e.eligible]
     loads = {e.endpoint_id: load(e, now, config) for e in eligible}
     cap = capacity(list(loads.values()), config.epsilon)
@@ -373,6 +444,7 @@ def explain(
                 uncached_tokens=request.prompt_tokens - cached,
                 pending_prefill=e.pending_prefill,
                 pending_decode=e.pending_decode,
+                queued=queued(e, request, now, config) if e.eligible else None,
                 external=external(e, now, config),
                 running=_known(e.running) if is_fresh else None,
                 waiting=_known(e.waiting) if is_fresh else None,
@@ -384,7 +456,8 @@ def explain(
     return Decision(
         policy=config.policy,
         chosen=chosen,
-        reason=_reason(config, chosen, affinity, eligible, loads, cap, len(endpoints)),
+        reason=_reason(config, chosen, affinity, eligible, loads, cap, len(endpoints))
+        + (_away(rows, chosen, request) if spilled and chosen is not None else ""),
         capacity=cap,
         average_load=(sum(loads.values()) / len(loads)) if loads else None,
         epsilon=config.epsilon,
@@ -417,5 +490,21 @@ def _reason(
     )
     if affinity is not None and chosen == affinity_target(eligible, affinity):
         return "session affinity: the key's rendezvous endpoint, within the bound" + bound
-    what = "uncached prefill plus queue" if config.policy == "prefix" else "queue"
+    what = "uncached prefill plus queued work" if config.policy == "prefix" else "queued work"
     return f"lowest expected cost ({what})" + bound
+
+
+def _away(rows: Sequence[Candidate], chosen: str, request: RequestEstimate) -> str:
+    """Why a spill left the prompt's home: its queue against the prefill here."""
+    home = max(
+        (c for c in rows if c.cost is not None),
+        key=lambda c: (c.cached_tokens, c.endpoint_id),
+    )
+    here = next(c for c in rows if c.endpoint_id == chosen)
+    if home.within_bound:
+        return (
+            f"; sent away from {home.endpoint_id}, which holds the prompt: its queued work "
+            f"({home.queued:.0f} tokens) costs more than {chosen}'s "
+            f"({here.queued:.0f}) plus the {here.uncached_tokens:.0f}-token prefill here"
+        )
+    return f"; sent away from {home.endpoint_id}, which holds the prompt, by the bound"

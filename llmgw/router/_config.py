@@ -73,8 +73,9 @@ class RouterConfig:
     # How an endpoint is chosen (llmgw/core/_scoring.py): expected cost with the
     # prefix cache counted, the same without it, or plain rotation (a baseline).
     policy: str = attrs.field(default="prefix", validator=_policy)
-    # No endpoint takes a request that puts it over (1 + epsilon) x the model's mean.
-    load_bound_epsilon: float = attrs.field(default=0.25, validator=between(0, 10))
+    # The hot-spot guard: no endpoint takes a request that puts its count over
+    # ceil((1 + epsilon) x (total + 1) / endpoints). Wide: the cost decides spills.
+    load_bound_epsilon: float = attrs.field(default=1.0, validator=between(0, 10))
     # The prefix index (llmgw/core/_prefix.py): block size, blocks kept per endpoint
     # (about 100 bytes each), and the half-life of a match's credit.
     prefix_block_bytes: int = attrs.field(default=256, validator=between(16, 1 << 20))

@@ -117,6 +117,7 @@ def decision_json(
                 "uncached_tokens": c.uncached_tokens,
                 "pending_prefill_tokens": c.pending_prefill,
                 "pending_decode_tokens": c.pending_decode,
+                "queued_work_tokens": c.queued,
                 "external_requests": c.external,
                 "scraped": {
                     "running": c.running,

@@ -20,11 +20,14 @@ from llmgw.core._scoring import (
     explain,
     external,
     load,
+    queued,
     rendezvous_weight,
+    uncached,
 )
 
-CONFIG = ScoringConfig()  # prefix policy, scrape every 1 s, stale after 3 s, epsilon 0.25
+CONFIG = ScoringConfig()  # prefix policy, scrape every 1 s, stale after 3 s, epsilon 1.0
 LEAST = ScoringConfig(policy="least-load")
+TIGHT = ScoringConfig(epsilon=0.25)  # the count bound that decided spills before issue 24
 NOW = 100.0
 REQ = RequestEstimate(prompt_tokens=2000, output_tokens=16, decode_cost=4)  # unit 2064
 
@@ -167,26 +170,78 @@ def test_the_endpoint_holding_the_prefix_wins_while_within_the_bound() -> None:
     assert pick(warm, cold, config=LEAST) == "cold"  # without the prefix it is busier
 
 
-def test_the_bound_makes_affinity_yield_before_a_hotspot() -> None:
-    # Loads (2, 0): the cap for the next request is ceil(1.25 x 3 / 2) = 2.
-    assert capacity([2, 0], 0.25) == 2
-    warm = ep("warm", cached=2000, in_flight=2)
+def test_a_cache_hit_on_a_busier_endpoint_wins_while_it_is_cheaper() -> None:
+    """Issue 24: loads (2, 0), the prompt cached on the busy one. The old count bound
+    (epsilon 0.25: ceil(1.25 x 3 / 2) = 2) sent it to the idle one and its 2,000-token
+    prefill; priced in work, the 2 requests queued there (100 tokens of prefill and
+    2 x 16 output tokens at 4 each) cost far less, and the hit wins."""
+    warm = ep("warm", cached=1900, in_flight=2, pending_prefill=100, pending_decode=32)
     cold = ep("cold")
-    assert pick(warm, cold) == "cold"
-    # ... and says it was a spill (the router then leaves the prompt's home alone).
-    assert decide([warm, cold], REQ, NOW, random.Random(0), CONFIG) == ("cold", True)
-    assert decide([ep("warm", cached=2000), cold], REQ, NOW, random.Random(0), CONFIG) == (
-        "warm",
+    assert queued(warm, REQ, NOW, CONFIG) == 100 + 4 * 32
+    assert uncached(warm, REQ, CONFIG) == 100 and uncached(cold, REQ, CONFIG) == 2000
+    assert decide([warm, cold], REQ, NOW, random.Random(0), CONFIG) == ("warm", False)
+    assert decide([warm, cold], REQ, NOW, random.Random(0), TIGHT) == ("cold", True)
+    # Its queue dearer than the whole prefill elsewhere: the request spills, and says so.
+    swamped = attrs.evolve(warm, pending_prefill=2000.0)
+    assert cost(swamped, REQ, NOW, CONFIG) == 100 + 2000 + 128 > cost(cold, REQ, NOW, CONFIG)
+    assert decide([swamped, cold], REQ, NOW, random.Random(0), CONFIG) == ("cold", True)
+    d = explain([swamped, cold], REQ, NOW, random.Random(0), CONFIG)
+    assert d.chosen == "cold"
+    assert "sent away from warm, which holds the prompt: its queued work (2128 tokens)" in (
+        d.reason
+    )
+    assert {c.endpoint_id: c.queued for c in d.candidates} == {"warm": 2128, "cold": 0}
+    # Others' requests, seen in a fresh reading, are queued work too (a unit each).
+    shared = attrs.evolve(warm, in_flight=0, pending_prefill=0.0, pending_decode=0.0, running=1)
+    assert queued(shared, REQ, NOW, CONFIG) == REQ.unit
+    assert pick(shared, cold) == "cold"
+
+
+def test_unknown_figures_price_the_queue_never_at_zero() -> None:
+    """A cached endpoint whose reading is stale costs unknown_penalty requests of queue:
+    it keeps a short prompt's sibling only if that still beats the prefill elsewhere."""
+    stale_warm = ep("warm", cached=2000, age=None)
+    assert queued(stale_warm, REQ, NOW, CONFIG) == CONFIG.unknown_penalty * REQ.unit
+    assert pick(stale_warm, ep("cold")) == "cold"  # 2064 of unknown queue > 2000 prefill
+    cheap = attrs.evolve(CONFIG, unknown_penalty=0.5)
+    assert pick(stale_warm, ep("cold"), config=cheap) == "warm"
+
+
+def test_a_spill_is_a_request_sent_away_from_the_prompts_home() -> None:
+    # Nowhere held (or credited with under half the prompt): no home, no spill.
+    assert decide([ep("a"), ep("b", pending_decode=16)], REQ, NOW, random.Random(0), CONFIG) == (
+        "a",
         False,
     )
-    # Excluded, but dearer anyway: not a spill.
+    faint = ep("faint", cached=900, pending_prefill=5000)
+    assert decide([faint, ep("b")], REQ, NOW, random.Random(0), CONFIG) == ("b", False)
+    # Held on two: going to either is no spill.
+    both = [ep("a", cached=2000, in_flight=1, pending_decode=200), ep("b", cached=1500)]
+    assert decide(both, REQ, NOW, random.Random(0), CONFIG) == ("b", False)
+
+
+def test_the_count_bound_still_guards_against_a_hot_spot() -> None:
+    """Wide by default, but where it binds it binds: 4 endpoints, epsilon 1, loads
+    (3, 0, 0, 0): the cap is ceil(2 x 4 / 4) = 2, and the warm one is over it however
+    cheap its queue looks (the estimates may be wrong; a count is not)."""
+    assert capacity([3, 0, 0, 0], 1.0) == 2
+    warm = ep("warm", cached=2000, in_flight=3)
+    others = [ep(f"c{i}") for i in range(3)]
+    got, spilled = decide([warm, *others], REQ, NOW, random.Random(0), CONFIG)
+    assert got in {"c0", "c1", "c2"} and spilled
+    d = explain([warm, *others], REQ, NOW, random.Random(0), CONFIG)
+    assert "over the bound of 2 requests: warm" in d.reason
+    assert "sent away from warm, which holds the prompt, by the bound" in d.reason
+    # With 2 endpoints an epsilon of 1 never binds: the cap is at least total + 1.
+    assert all(capacity([k, 0], 1.0) >= k + 1 for k in range(50))
+    # A tight epsilon is still honoured: loads (2, 0) at 0.25 cap at 2.
+    assert capacity([2, 0], 0.25) == 2
+    assert pick(ep("warm", cached=2000, in_flight=2), ep("cold"), config=TIGHT) == "cold"
     busy_cold = ep("busy", in_flight=2)
-    assert decide([busy_cold, cold], REQ, NOW, random.Random(0), CONFIG) == ("cold", False)
-    # Loads (1, 1): both fit, and the cache decides.
-    assert pick(ep("warm", cached=2000, in_flight=1), ep("cold", in_flight=1)) == "warm"
-    # A larger epsilon lets more pile on first.
-    loose = attrs.evolve(CONFIG, epsilon=1.0)
-    assert pick(warm, cold, config=loose) == "warm"
+    assert decide([busy_cold, ep("cold")], REQ, NOW, random.Random(0), TIGHT) == (
+        "cold",
+        False,
+    )
 
 
 def test_capacity_always_admits_the_least_loaded() -> None:
@@ -203,7 +258,7 @@ def test_header_affinity_stays_under_the_same_bound() -> None:
     # Busier by one but within the bound: the session stays.
     assert pick(ep(home, in_flight=1, pending_decode=16), ep(other), affinity=key) == home
     # Over the bound: it goes elsewhere.
-    assert pick(ep(home, in_flight=2), ep(other), affinity=key) == other
+    assert pick(ep(home, in_flight=2), ep(other), affinity=key, config=TIGHT) == other
 
 
 def test_affinity_sticks_to_one_endpoint_and_moves_only_when_it_leaves() -> None:
@@ -250,6 +305,7 @@ def test_explain_names_the_choice_and_every_candidate_figure() -> None:
 
 
 def test_config_is_validated() -> None:
+    assert ScoringConfig().epsilon == 1.0  # the wide guard (issue 24)
     with pytest.raises(ValueError, match="epsilon must be a finite number, 0 or more"):
         ScoringConfig(epsilon=-1)
     with pytest.raises(ValueError, match="scrape_interval_s must be a positive number"):
@@ -420,3 +476,41 @@ def test_affinity_is_stable_under_removal_of_other_endpoints(
     )
     fewer = [e for e in idle if e.endpoint_id == home or e in kept]
     assert choose(fewer, REQ, NOW, random.Random(1), CONFIG, affinity=key) == home
+
+
+@settings(max_examples=500)
+@given(loads_strategy, st.integers(0, 2**32), st.floats(0, 1), st.sampled_from([CONFIG, TIGHT]))
+def test_a_cached_prompt_is_never_sent_away_while_its_queue_is_cheaper(
+    endpoints: list[EndpointLoad], seed: int, share: float, config: ScoringConfig
+) -> None:
+    """Issue 24's property: one eligible endpoint holds the whole prompt. While its
+    queued work is below every other eligible endpoint's queued work plus the prompt's
+    uncached prefill there, and the hot-spot bound admits it, the request goes to it;
+    and sent elsewhere it is a spill exactly when the other holds under half of it."""
+    eligible = [e for e in endpoints if e.eligible]
+    if not eligible:
+        return
+    home_id = eligible[0].endpoint_id
+    # The others hold some share of the prompt (under all of it).
+    fleet = [
+        attrs.evolve(e, cached_tokens=REQ.prompt_tokens)
+        if e.endpoint_id == home_id
+        else attrs.evolve(e, cached_tokens=min(e.cached_tokens, share * REQ.prompt_tokens))
+        for e in endpoints
+    ]
+    home = next(e for e in fleet if e.endpoint_id == home_id)
+    others = [e for e in fleet if e.eligible and e.endpoint_id != home_id]
+    cheaper = all(
+        queued(home, REQ, NOW, config)
+        < queued(e, REQ, NOW, config) + uncached(e, REQ, config) - 1e-6 * REQ.unit
+        for e in others
+    )
+    counts = [load(e, NOW, config) for e in fleet if e.eligible]
+    admitted = load(home, NOW, config) + 1 <= capacity(counts, config.epsilon)
+    chosen, spilled = decide(fleet, REQ, NOW, random.Random(seed), config)
+    event(f"cheaper={cheaper} admitted={admitted}")
+    if cheaper and admitted:
+        assert (chosen, spilled) == (home_id, False)
+    elif chosen != home_id:
+        went = next(e for e in fleet if e.endpoint_id == chosen)
+        assert spilled == (went.cached_tokens < 0.5 * REQ.prompt_tokens)

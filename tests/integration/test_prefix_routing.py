@@ -196,6 +196,65 @@ async def test_a_flood_of_one_prefix_spreads_once_the_bound_is_reached(
     assert unbounded[1 - home] == 0 and unbounded[home] > 0, unbounded
 
 
+async def test_a_cache_hit_on_the_busier_server_wins_while_its_queue_is_cheaper(
+    llamas: list[Llama],
+) -> None:
+    """Issue 24, through the router and real llama-servers with the default bound: the
+    home server holds two requests of the prompt (long answers, the other server
+    idle), and a third arrives. The count bound of old (epsilon 0.25, ceil(1.25 x 3 /
+    2) = 2) sent it to the idle server and its ~800-token prefill; priced in work, the
+    two queued there cost less (the router expects short answers, the warm-ups'),
+    so it joins them, the server reports it cached, and the idle one computes nothing.
+    With the old epsilon the same request goes to the idle server (a spill)."""
+    eps = [llamas[0].endpoint("l0"), llamas[1].endpoint("l1")]
+
+    async def third(seed: int, **config: Any) -> tuple[dict[str, Any], float, list[float]]:
+        system = system_prompt(seed)  # a prompt of its own: neither server holds it yet
+        async with (
+            serve_router(eps, scrape_interval_s=0.2, **config) as r,
+            httpx.AsyncClient(timeout=120) as h,
+        ):
+            with trio.fail_after(20):  # 2 slots each read from /slots
+                while any(s.slots != 2 for s in r.router.endpoint_states().values()):
+                    await trio.sleep(0.05)
+            home, _ = await served_by(h, r.base_url, llamas, chat(system, "warm", max_tokens=2))
+            states = r.router.endpoint_states()
+
+            async def long_one(i: int) -> None:
+                body = chat(system, f"a long answer {i}", max_tokens=400) | {"ignore_eos": True}
+                resp = await h.post(r.base_url + "/chat/completions", headers=AUTH, json=body)
+                assert resp.status_code == 200, resp.text
+
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(long_one, i)
+                with trio.fail_after(30):
+                    while states[f"l{home}"].in_flight < 2:
+                        await trio.sleep(0.01)
+                held = states[f"l{home}"]
+                decode_cost = r.router.models()["tiny"].estimates.request(1).decode_cost
+                queued = held.pending_prefill + decode_cost * held.pending_decode
+                idle_before = await trio.to_thread.run_sync(llamas[1 - home].predicted)
+                body = chat(system, "and a short one", max_tokens=2)
+                resp = await h.post(r.base_url + "/chat/completions", headers=AUTH, json=body)
+                assert resp.status_code == 200, resp.text
+                idle_after = await trio.to_thread.run_sync(llamas[1 - home].predicted)
+            return resp.json(), queued, [idle_before, idle_after]
+
+    answer, queued, idle = await third(24)
+    assert idle[1] == idle[0], idle  # the idle server computed nothing
+    usage = answer["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0.8 * usage["prompt_tokens"], usage
+    # The work queued there (prompt-token equivalents) was under the prefill elsewhere.
+    assert queued < 0.5 * usage["prompt_tokens"], (queued, usage)
+    answer, _, idle = await third(25, load_bound_epsilon=0.25)
+    assert idle[1] > idle[0], idle  # the old bound: spilled to the idle server
+    assert (
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        < 0.2 * answer["usage"]["prompt_tokens"]
+    )
+
+
 async def test_an_endpoint_whose_metrics_went_stale_is_not_chosen_for_reading_idle(
     llamas: list[Llama],
 ) -> None:

@@ -75,11 +75,13 @@ async def test_explain_names_the_choice_and_every_candidates_figures_and_sends_n
         assert answer["model"] == "chat"
         assert answer["policy"] == "prefix"
         assert answer["chosen"] in ids
-        assert answer["reason"].startswith("lowest expected cost (uncached prefill plus queue)")
+        assert answer["reason"].startswith(
+            "lowest expected cost (uncached prefill plus queued work)"
+        )
         # Two idle endpoints: the next request makes a total of 1, and
-        # ceil(1.25 x 1 / 2) = 1 request each is the bound.
+        # ceil(2 x 1 / 2) = 1 request each is the (wide, epsilon 1) hot-spot bound.
         assert answer["bound"] == {
-            "epsilon": 0.25,
+            "epsilon": 1.0,
             "max_requests_per_endpoint": 1,
             "average_load": 0.0,
         }
@@ -98,6 +100,7 @@ async def test_explain_names_the_choice_and_every_candidates_figures_and_sends_n
             assert c["cached_tokens"] == 0
             assert c["uncached_tokens"] == req["estimated_prompt_tokens"]
             assert c["pending_prefill_tokens"] == 0 and c["pending_decode_tokens"] == 0
+            assert c["queued_work_tokens"] == 0
             assert c["external_requests"] == 0
             sc = c["scraped"]
             assert (sc["running"], sc["waiting"], sc["kv_usage"]) == (0, 0, 0)
@@ -154,8 +157,10 @@ async def test_explain_shows_the_load_the_router_has_in_flight(
         assert i["scraped"]["running"] == 0
         # The decode work waiting there costs 4 prompt tokens' worth per output token.
         assert b["cost"] - i["cost"] == 40 * answer["request"]["decode_cost"]
+        assert b["queued_work_tokens"] == 40 * answer["request"]["decode_cost"]
+        assert i["queued_work_tokens"] == 0
         assert answer["chosen"] == idle.endpoint().endpoint_id
-        # One in flight, one more to place over two endpoints: ceil(1.25 x 2 / 2) = 2.
+        # One in flight, one more to place over two endpoints: ceil(2 x 2 / 2) = 2.
         assert answer["bound"]["max_requests_per_endpoint"] == 2
         assert answer["bound"]["average_load"] == 0.5
         assert idle.stats()["received"] == 0
