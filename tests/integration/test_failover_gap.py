@@ -100,6 +100,24 @@ def two_ready(cp: ControlPlane) -> dict[str, tuple[str, str, tuple[int, ...]]] |
     return got if sum(state == "ready" for _, state, _ in got.values()) == 2 else None
 
 
+def answers(cp: ControlPlane, key: str) -> bool:
+    """One chat completion through `cp`'s router comes back 200."""
+    try:
+        r = httpx.post(
+            f"{cp.router_url}/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            },
+            timeout=5.0,
+        )
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
 def registered(cluster: LocalCluster, cp: ControlPlane, epoch: int, since: float) -> bool:
     pattern = rf"registered with {re.escape(cp.rpc)} .*epoch {epoch}\)"
     return all(lines_after(cluster.agents[n].output(), since, pattern) for n in NODES)
@@ -138,6 +156,10 @@ def test_no_request_fails_while_the_lease_moves(
     )
     pids = [p for _, _, ps in before.values() for p in ps]
     assert pids and all(alive(p) for p in pids), before
+    # The standby routes by the list the leader publishes (read every second) once its
+    # router has found those engines healthy: the stream starts when both routers answer.
+    for cp in (cp1, cp2):
+        wait_for(f"{cp.name}'s router answering", lambda cp=cp: answers(cp, key), 30)
 
     stream = BalancedLoad([(cp.name, cp.router_url) for cp in (cp1, cp2)], key)
     stream.start()

@@ -119,8 +119,7 @@ class NodeRegistry:
         self._close_connection = close_connection
         # The weights mirror agents resolve `mirror:` sources against (on the host they
         # dialled); None: this control plane serves none.
-        self.mirror_port = mirror_port
-        self.mirror_tls = mirror_tls
+        self.mirror_port, self.mirror_tls = mirror_port, mirror_tls
         # server.yaml's `engines:`, in every registration's Settings and pushed to every
         # connected agent when it changes (declare_engines); None: nothing declared.
         self.engines = engines
@@ -137,9 +136,7 @@ class NodeRegistry:
         # Why things happened (failed shards, state changes), for the admin API.
         self.events = EventLog(clock=clock, wall=wall)
         self._progress = ProgressBook()
-        # Each node's last hour (llmgw/cp/_observe/_history.py): a sample per heartbeat;
-        # None: none kept.
-        self.history = history
+        self.history = history  # each node's last hour (_observe/_history.py); None: none kept
         self.shared = SharedValues()  # kept once: what repeats across nodes (_shared.py)
 
     def __repr__(self) -> str:
