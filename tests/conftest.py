@@ -40,11 +40,17 @@ _worker_ports()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The files with the most `slow` tests (real fleets, releases) run first: `make test`
+    """The files with the most `slow` time (real fleets, releases) run first: `make test`
     hands whole files to its workers (`--dist loadfile`), so a long file picked up last
-    would leave the other workers idle at the end. The sort is stable: a file's tests
-    stay together and in their order, and every worker collects the same order."""
-    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    would leave the other workers idle at the end. A slow test counts 10 s unless its
+    marker says more (`@pytest.mark.slow(seconds=150)`: a test that takes minutes). The
+    sort is stable: a file's tests stay together and in their order, and every worker
+    collects the same order."""
+    slow: Counter[Path] = Counter()
+    for item in items:
+        marker = item.get_closest_marker("slow")
+        if marker is not None:
+            slow[item.path] += int(marker.kwargs.get("seconds", 10))
     items.sort(key=lambda item: -slow[item.path])
 
 

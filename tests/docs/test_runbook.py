@@ -150,7 +150,7 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=140)
 def test_the_runbook_runs(tmp_path: Path) -> None:
     llama_binary = llama_server_binary()
     inputs = tmp_path / "downloads"  # what the reader downloaded before starting

@@ -123,7 +123,7 @@ def registered(cluster: LocalCluster, cp: ControlPlane, epoch: int, since: float
     return all(lines_after(cluster.agents[n].output(), since, pattern) for n in NODES)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 @pytest.mark.parametrize("switch", ["sigstop", "kill9", "store_outage"])
 def test_no_request_fails_while_the_lease_moves(
     switch: str, pg: Postgres, cluster: LocalCluster, tmp_path: Path

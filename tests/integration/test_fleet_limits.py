@@ -107,7 +107,7 @@ async def send_all(
     return results
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=150)
 def test_two_control_planes_with_two_workers_each_hold_one_tenants_rpm(
     pg: str, cluster: LocalCluster, tmp_path: Path
 ) -> None:
