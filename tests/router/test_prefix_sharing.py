@@ -131,7 +131,15 @@ def test_siblings_through_the_other_worker_land_where_the_prompt_is_cached(
             # A told each first request's dispatch and end (coalesced when both fell in
             # one 50 ms batch); B heard them all, and nothing was dropped.
             assert PROMPTS <= float(shared[a]["told"]) <= 2 * PROMPTS
-            assert float(shared[b]["heard"]) >= float(shared[a]["told"])
+            # What A told last may still be on its way to B when the two are scraped.
+            wait_for(
+                "B heard all A told",
+                lambda: (
+                    float(shared_facts(mport + b)["heard"])
+                    >= float(shared_facts(mport + a)["told"])
+                ),
+                10,
+            )
             assert shared[a]["dropped"] == shared[b]["dropped"] == "0.0"
         else:
             assert hits < PROMPTS, "without sharing B still found every prompt's home"
