@@ -29,7 +29,7 @@ components:
 # The test files run in parallel, a file per worker at a time (most of the suite's time
 # is spent waiting on real processes, not on the CPU): PYTEST_WORKERS=0 runs them in one.
 # The slowest tests are printed at the end, so a run says where its minutes went.
-PYTEST_WORKERS ?= 6
+PYTEST_WORKERS ?= 4
 test: lint components
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 

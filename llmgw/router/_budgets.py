@@ -55,7 +55,9 @@ from llmgw.router._tenants import Reason, Refused, retry_seconds
 if TYPE_CHECKING:
     from llmgw.keys import TenantLimits
 
-STORE_SLOW_S = 1.0  # a lease not back in this long: the store counts as out of reach
+STORE_SLOW_S = 3.0  # a lease not back in this long: the store counts as out of reach (a busy
+# PostgreSQL on a loaded host answers in a second or two; a share admitted on its own is not
+# written to the store, so counting a slow store as down too soon lets a limit through twice)
 PROBE_S = 1.0  # a spent window is asked again this often while requests come
 IDLE_S = 600.0  # a tenant not seen for this long is forgotten
 _TOKENS_ALPHA = 0.2

@@ -24,7 +24,7 @@ from prometheus_client import generate_latest
 from llmgw.core import grant_budget, restore_budget
 from llmgw.errors import DeadlineExceeded
 from llmgw.keys import ApiKey, BudgetAsk, BudgetGrant, BudgetLeases, TenantLimits
-from llmgw.router._budgets import FleetLimiter
+from llmgw.router._budgets import STORE_SLOW_S, FleetLimiter
 from llmgw.router._keys import StaticKeys
 from llmgw.router._leases import TenantAdmission
 from llmgw.store import SqlStore, open_store
@@ -201,8 +201,9 @@ async def test_a_lease_that_does_not_come_back_counts_as_the_store_down() -> Non
     assert lim.admit("acme", RPM, T0) is None  # on credit
     assert lim.plan(T0)  # a lease goes out, and hangs (a frozen store)
     assert lim.admit("acme", RPM, T0 + 0.5) is not None  # still on its way: 429, 1 s
-    assert not lim.fallback(T0 + 0.5) and lim.fallback(T0 + 1.5)
-    admitted = sum(lim.admit("acme", RPM, T0 + 1.5 + i / 100) is None for i in range(200))
+    down = T0 + STORE_SLOW_S + 0.5
+    assert not lim.fallback(T0 + STORE_SLOW_S - 0.5) and lim.fallback(down)
+    admitted = sum(lim.admit("acme", RPM, down + i / 100) is None for i in range(200))
     assert admitted == 119  # its whole part (one router known) less the one on credit
 
 
