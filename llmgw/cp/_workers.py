@@ -50,7 +50,6 @@ import argparse
 import contextlib
 import logging
 import os
-import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -81,6 +80,7 @@ from llmgw.router import (
     listener_limits,
     metrics_app,
     parse_learned,
+    private_unix_listener,
     send_line,
     serve_http,
     tell,
@@ -179,19 +179,7 @@ class WorkerHub:
     async def serve(
         self, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a previous run's
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            old = os.umask(0o177)  # created 0600: only this user may speak for a worker
-            try:
-                await sock.bind(str(path))
-            finally:
-                os.umask(old)
-            sock.listen(64)
-        except BaseException:
-            sock.close()
-            raise
+        sock = await private_unix_listener(path)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(

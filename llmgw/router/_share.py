@@ -160,16 +160,14 @@ def hear(fleet: Fleet, message: Any) -> int:
 # --- router-only mode: the supervisor's relay, and a worker's end of it ---------------------
 
 
-async def serve_relay(
-    path: Path, members: int, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Relay learned facts between `members` workers that dial `path` (a Unix socket)."""
-    relay = Relay()
+async def private_unix_listener(path: Path) -> trio.socket.SocketType:
+    """A listening Unix socket at `path` (a previous run's removed), created 0600: only
+    this user may speak for a worker."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        old = os.umask(0o177)  # 0600: only this user may speak for a worker
+        old = os.umask(0o177)
         try:
             await sock.bind(str(path))
         finally:
@@ -178,6 +176,15 @@ async def serve_relay(
     except BaseException:
         sock.close()
         raise
+    return sock
+
+
+async def serve_relay(
+    path: Path, members: int, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Relay learned facts between `members` workers that dial `path` (a Unix socket)."""
+    relay = Relay()
+    sock = await private_unix_listener(path)
 
     async def member(stream: trio.SocketStream) -> None:
         index: int | None = None
