@@ -245,8 +245,9 @@ async def test_a_cache_hit_on_the_busier_server_wins_while_its_queue_is_cheaper(
     assert idle[1] == idle[0], idle  # the idle server computed nothing
     usage = answer["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0.8 * usage["prompt_tokens"], usage
-    # The work queued there (prompt-token equivalents) was under the prefill elsewhere.
-    assert queued < 0.5 * usage["prompt_tokens"], (queued, usage)
+    # The work queued there (prompt-token equivalents) was under the prefill elsewhere:
+    # what the router weighed. Its decode cost is measured, so under load it grows.
+    assert queued < usage["prompt_tokens"], (queued, usage)
     answer, _, idle = await third(25, load_bound_epsilon=0.25)
     assert idle[1] > idle[0], idle  # the old bound: spilled to the idle server
     assert (
