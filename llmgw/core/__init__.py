@@ -9,6 +9,8 @@ from llmgw.core._attempt import (
     attempt_verdict,
     head_outcome,
 )
+from llmgw.core._autoscale import RULES as AUTOSCALE_RULES
+from llmgw.core._autoscale import AutoscaleDecision, AutoscalePolicy, AutoscaleState
 from llmgw.core._backoff import Backoff, BackoffPolicy, backoff_failure, backoff_settled
 from llmgw.core._breaker import Breaker, BreakerConfig, BreakerEvent, BreakerState
 from llmgw.core._budget import (
@@ -60,6 +62,16 @@ from llmgw.core._liveness import (
     Tick,
     registered,
     step,
+)
+from llmgw.core._load import (
+    TTFT_BOUNDS,
+    LoadSample,
+    RouterLoad,
+    grown,
+    merge_models,
+    sample,
+    ttft_bucket,
+    ttft_quantile,
 )
 from llmgw.core._metering import METERED_STREAM_ROUTES, StreamMetering, stream_metering
 from llmgw.core._placement import (
@@ -170,6 +182,7 @@ from llmgw.model import ShardState
 __all__ = [
     "ALIVE_REPLICA_STATES",
     "ATTEMPT_VERDICTS",
+    "AUTOSCALE_RULES",
     "BUDGET_WINDOW_S",
     "CONTINUATION_REFUSALS",
     "IDLE_RETURN_S",
@@ -181,6 +194,7 @@ __all__ = [
     "POLICIES",
     "REPLACED_REPLICA_STATES",
     "RUNNING_SHARD_STATES",
+    "TTFT_BOUNDS",
     "XID_CLASSES",
     "Admission",
     "AdmissionConfig",
@@ -189,6 +203,9 @@ __all__ = [
     "AttemptOutcome",
     "AttemptPhase",
     "AttemptVerdict",
+    "AutoscaleDecision",
+    "AutoscalePolicy",
+    "AutoscaleState",
     "Backoff",
     "BackoffPolicy",
     "Band",
@@ -217,6 +234,7 @@ __all__ = [
     "Liveness",
     "LivenessEvent",
     "LivenessPolicy",
+    "LoadSample",
     "Manifest",
     "ManifestError",
     "ManifestFile",
@@ -249,6 +267,7 @@ __all__ = [
     "RolloutPolicy",
     "RolloutRecord",
     "RolloutStep",
+    "RouterLoad",
     "ScoringConfig",
     "ShardEvent",
     "ShardState",
@@ -296,6 +315,7 @@ __all__ = [
     "gpu_drains",
     "gpu_health",
     "grant_budget",
+    "grown",
     "guard_release_at",
     "handing_over",
     "handover_endpoints",
@@ -308,6 +328,7 @@ __all__ = [
     "may_delete",
     "memory_faults",
     "merge",
+    "merge_models",
     "min_lease",
     "next_shard_state",
     "node_facts",
@@ -326,10 +347,13 @@ __all__ = [
     "resume_plan",
     "rollout_model",
     "route",
+    "sample",
     "shares",
     "socket_interface",
     "step",
     "stream_metering",
+    "ttft_bucket",
+    "ttft_quantile",
     "uncached",
     "unhealthy_words",
     "unused_lease",
