@@ -71,6 +71,43 @@ class Rollout:
 
 
 @attrs.define(kw_only=True, frozen=True)
+class AutoscaleTarget:
+    """What one replica should carry; each set target may raise the count."""
+
+    requests_per_replica: float | None = None  # requests queued + in flight, per replica
+    ttft_p90_s: float | None = None  # time to first byte, p90 over the window
+
+
+@attrs.define(kw_only=True, frozen=True)
+class Autoscale:
+    """A model's `autoscale:` (llmgw/core/_autoscale.py decides). A setting not given
+    (None) is the core's default (`core.AutoscalePolicy`)."""
+
+    min: int = 0
+    max: int
+    target: AutoscaleTarget = attrs.field(factory=AutoscaleTarget)
+    window_s: float | None = None
+    scale_down_after_s: float | None = None
+    max_step_up: int | None = None
+    up_cooldown_s: float | None = None
+    down_cooldown_s: float | None = None
+    predict_s: float | None = None
+    hold_max: int | None = None
+    hold_s: float | None = None
+
+    def policy(self) -> core.AutoscalePolicy:
+        given = {
+            k: v
+            for k, v in attrs.asdict(self, recurse=False).items()
+            if k != "target" and v is not None
+        }
+        t = self.target
+        if t.requests_per_replica is not None or t.ttft_p90_s is not None:
+            given |= {"requests_per_replica": t.requests_per_replica, "ttft_p90_s": t.ttft_p90_s}
+        return core.AutoscalePolicy(**given)
+
+
+@attrs.define(kw_only=True, frozen=True)
 class CatalogModel:
     name: str
     source: str  # a local path, a URL, a URL ending in / (multi-file), or a hub id
@@ -78,6 +115,10 @@ class CatalogModel:
     replicas: int = 1
     profiles: list[Profile]
     rollout: Rollout = attrs.field(factory=Rollout)  # not in the fingerprint: how, not what
+    # The count follows the load between its min and max (`replicas` is then not given).
+    autoscale: Autoscale | None = None
+    # On a full fleet a model with demand may displace idle replicas of a lower priority.
+    priority: int = 0
 
     @property
     def names(self) -> tuple[str, ...]:
