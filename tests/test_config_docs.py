@@ -113,6 +113,8 @@ LOADED = [
     _engines.EngineConfig,
     _engines.ArchiveConfig,
     _catalog.CatalogModel,
+    _catalog.Autoscale,
+    _catalog.AutoscaleTarget,
     _catalog.Profile,
     _traffic.TrafficEntry,
 ]

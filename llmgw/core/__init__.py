@@ -73,6 +73,9 @@ from llmgw.core._load import (
     ttft_bucket,
     ttft_quantile,
 )
+from llmgw.core._load import (
+    merge as merge_loads,
+)
 from llmgw.core._metering import METERED_STREAM_ROUTES, StreamMetering, stream_metering
 from llmgw.core._placement import (
     Allocations,
@@ -328,6 +331,7 @@ __all__ = [
     "may_delete",
     "memory_faults",
     "merge",
+    "merge_loads",
     "merge_models",
     "min_lease",
     "next_shard_state",

@@ -333,26 +333,30 @@ def observed_shards(
 
 
 def allocations(
-    nodes: Iterable[NodeReport], flying: Iterable[tuple[str, model.ShardSpec]]
+    nodes: Iterable[NodeReport],
+    flying: Iterable[tuple[str, model.ShardSpec]],
+    without: Collection[str] = (),
 ) -> Allocations:
     """The cards and CPU replicas taken on each node: its shards', and those of the
     ranks of starts in flight (`flying`: node, spec) it has not reported yet, so the
-    next pass does not give them again."""
+    next pass does not give them again. `without`: replica ids counted as gone (what a
+    placement would find if they were retired)."""
     in_flight = list(flying)
     gpus: dict[str, frozenset[int]] = {}
     cpu: dict[str, int] = {}
     for rec in nodes:
         index = {g.uuid: g.index for g in rec.inventory.gpus or ()}
         reported = {s.shard_id for s in rec.shards}
+        shards = [s for s in rec.shards if s.replica_id is None or s.replica_id not in without]
         mine = [
             spec
             for node_id, spec in in_flight
             if node_id == rec.node_id and spec.shard_id not in reported
         ]
-        used = {index[u] for s in rec.shards for u in s.gpus if u in index}
+        used = {index[u] for s in shards for u in s.gpus if u in index}
         used |= {index[u] for spec in mine for u in spec.gpus if u in index}
         gpus[rec.node_id] = frozenset(used)
-        cpu[rec.node_id] = sum(1 for s in rec.shards if not s.gpus) + sum(
+        cpu[rec.node_id] = sum(1 for s in shards if not s.gpus) + sum(
             1 for spec in mine if not spec.gpus
         )
     return Allocations(gpus=gpus, cpu_replicas=cpu)

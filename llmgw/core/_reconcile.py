@@ -20,7 +20,10 @@ Rules, in order:
   model's failure by the backoff;
 - a replica with a rank on an unreachable node, or a rank unhealthy for less
   than `unhealthy_replace_s`: left alone, and counted;
-- more replicas than wanted: the least advanced, then the newest, stopped;
+- more replicas than wanted: the least advanced, then those already retiring, then
+  those the shell names (`retire_first`), then the newest, retire: one that serves
+  is taken out of the router and stopped once nothing is in flight there (the drain
+  rule's `retire`, llmgw/core/_drain.py), one that does not is stopped at once;
 - fewer: a Start per missing replica (`pending` starts count as present),
   except for a model in its restart backoff (`backoff`, llmgw/core/_backoff.py):
   nothing before its next try, then one replica at a time (none while one
@@ -51,12 +54,12 @@ Rules, in order:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import attrs
 
 from llmgw.core._backoff import Backoff, BackoffPolicy
-from llmgw.core._drain import DRAINING, DrainingReplica, DrainInput, drain_model
+from llmgw.core._drain import DRAINING, DrainingReplica, DrainInput, drain_model, retire
 from llmgw.core._liveness import NodeState
 from llmgw.core._replica import ALIVE_REPLICA_STATES, BEHIND, ReplicaState
 from llmgw.core._rollout import (
@@ -215,6 +218,7 @@ def reconcile(
     rollouts: Mapping[str, RolloutControl] | None = None,
     wedged: Mapping[str, str] | None = None,
     settling: bool = False,
+    retire_first: Collection[str] = (),
 ) -> Plan:
     """The actions that bring `shards` toward `desired`.
 
@@ -229,6 +233,8 @@ def reconcile(
     `backoff`: model -> its restart backoff, under `backoff_policy`.
     `rollouts`: model -> the operator's word and the shell's memory of its rollout.
     `wedged`: replica id -> why a router quarantined it as wedged.
+    `retire_first`: replicas to retire first when their model has too many (on nodes
+    another model needs, or displaced by a higher priority: the shell says which).
     `settling`: the shell still waits for the known nodes to register after its start or
     an election (llmgw/cp/_fleet/_settle.py): the plan holds as it would, but says nothing
     of being cut off; right after a takeover every node is away only because it has not
@@ -327,14 +333,31 @@ def reconcile(
                              f"replica {dec.replica_id} retired: {dec.reason}")  # fmt: skip
             missing, too_many = step.starts, new
         if len(too_many) > d.replicas:
-            # The least advanced first, then the newest.
-            worst = sorted(
-                too_many, key=lambda rv: (-BEHIND[ReplicaState(rv[1].state)], -rv[1].first_seen)
-            )
-            doomed = {replica_id for replica_id, _ in worst[: len(too_many) - d.replicas]}
+            # Too many: the least advanced first (they serve nothing), then those already
+            # retiring (a scale-down walks forward), then those the shell names, then the
+            # newest. A replica that serves is retired as a drain retires one (out of the
+            # router, stopped once nothing is in flight): scaling down loses no request.
+            drained = drain or DrainInput()
+
+            def worst(
+                rv: tuple[str, ReplicaView], drained: DrainInput = drained
+            ) -> tuple[int, bool, bool, float]:
+                r, v = rv
+                return (-BEHIND[ReplicaState(v.state)], r not in drained.retiring_since,
+                        r not in retire_first, -v.first_seen)  # fmt: skip
+
+            doomed = [r for r, _ in sorted(too_many, key=worst)[: len(too_many) - d.replicas]]
+            views_of = dict(too_many)
             for replica_id in sorted(doomed):
-                stop_all(by_replica[replica_id], f"{d.name} wants {d.replicas} replicas")
-                retired[replica_id] = (ReplicaState.EXTRA, f"{d.name} wants {d.replicas} replicas")
+                why = f"{d.name} wants {d.replicas} replicas"
+                ready = views_of[replica_id].state == ReplicaState.READY
+                out = retire(replica_id, ready, drained, now, why)
+                if holding and not out.stop:
+                    continue  # cut off: keep serving; nothing retires
+                if out.stop:
+                    stop_all(by_replica[replica_id], f"replica {replica_id} retired: {out.reason}")
+                state = ReplicaState.RETIRING if ready else ReplicaState.EXTRA
+                retired[replica_id] = (state, out.reason)
         elif missing > 0 and not holding:
             b = (backoff or {}).get(d.name)
             if b is not None:

@@ -26,6 +26,7 @@ import trio
 from llmgw import config, core
 from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
 from llmgw.cp._fleet import _engines
+from llmgw.cp._fleet._autoscaler import Autoscaler
 from llmgw.cp._fleet._catalog_file import CatalogFile
 from llmgw.cp._fleet._endpoints import (
     EndpointPublisher,
@@ -118,6 +119,7 @@ async def run(
         await nursery.start(cp.events.run)
         nursery.start_soon(cp.sessions.writer)
         await nursery.start(cp.reconciler.run)
+        await nursery.start(cp.autoscaler.run)
         # Before the RPC listener: alone on its store, this control plane leads before
         # the first agent dials, so none is refused at start.
         await nursery.start(cp.leadership.run)
@@ -168,6 +170,7 @@ class ControlPlane:
 
     registry: NodeRegistry
     reconciler: Reconciler
+    autoscaler: Autoscaler
     leadership: Leadership
     sizes: SourceSizes
     publisher: EndpointPublisher
@@ -332,6 +335,18 @@ async def assemble(
             seen.update(hub.quarantined())
         return {replica_of(eid): reason for eid, reason in seen.items()}
 
+    def router_loads() -> dict[str, dict[str, core.RouterLoad]]:
+        """Router id -> served name -> load, for every router of this control plane."""
+        if hub is not None:
+            return hub.loads_by_router()
+        return {"w0": router.loads()}
+
+    # Every control plane writes its routers' load; the leader decides
+    # (llmgw/cp/_fleet/_autoscaler.py). The reconciler asks it each model's count.
+    autoscaler = Autoscaler(
+        lambda: catalog.catalog, router_loads, store, leadership.me.rpc, registry.acting,
+        registry.events, poke=plan_again.poke,
+    )  # fmt: skip
     reconciler = Reconciler(
         registry,
         lambda: catalog.catalog,
@@ -348,7 +363,11 @@ async def assemble(
         # Without router_listen no requests pass here: in flight is unknown.
         in_flight=in_flight if cfg.router_listen is not None else None,
         wedged=wedged if cfg.router_listen is not None else None,
+        count=autoscaler.count,
+        queued=autoscaler.queued,
+        lower=autoscaler.lower,
     )
+    autoscaler.live = reconciler.live
 
     def catalog_changed() -> None:
         plan_again.poke()
@@ -358,7 +377,12 @@ async def assemble(
     # Fleet metrics (issue 14) beside the router's, computed at each scrape; no `_created`.
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     router.metrics_registry.register(
-        FleetCollector(registry, reconciler=reconciler, catalog=lambda: catalog.catalog)
+        FleetCollector(
+            registry,
+            reconciler=reconciler,
+            catalog=lambda: catalog.catalog,
+            scales=autoscaler.scales,
+        )
     )
     router.metrics_registry.register(
         LeaderCollector(leadership, lambda: registry.commands_refused_stale)
@@ -369,6 +393,7 @@ async def assemble(
         registry,
         admin_key,
         reconciler=reconciler,
+        autoscaler=autoscaler,
         catalog=catalog,
         keys=router.keys,
         metrics=router.metrics_registry,
@@ -383,6 +408,7 @@ async def assemble(
     return ControlPlane(
         registry=registry,
         reconciler=reconciler,
+        autoscaler=autoscaler,
         leadership=leadership,
         sizes=sizes,
         publisher=publisher,

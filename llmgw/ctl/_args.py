@@ -27,7 +27,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from llmgw.ctl import _accounts, _cert, _fleet, _models, _onboard, _release, _rollout
+from llmgw.ctl import (
+    _accounts,
+    _autoscale,
+    _cert,
+    _fleet,
+    _models,
+    _onboard,
+    _release,
+    _rollout,
+)
 from llmgw.ctl._client import DEFAULT_CTL_CONFIG
 from llmgw.ctl._tables import FAILURE_LINES
 
@@ -46,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fleet(sub)
     _add_models(sub)
     _rollout.register(sub)
+    _autoscale.register(sub)
     _add_accounts(sub)
     _add_engine_check(sub)
     _cert.register(sub)

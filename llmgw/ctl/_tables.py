@@ -258,16 +258,26 @@ def format_events(events: list[dict[str, Any]], *, now: float) -> str:
 
 
 def format_status(models: list[dict[str, Any]], *, now: float) -> str:
-    """`ctl status`: desired and ready replicas per model, and why one is short."""
+    """`ctl status`: desired and ready replicas per model, an autoscaled model's range
+    (MIN-MAX; `-` for a fixed count) and why it wants what it wants, and why one is short."""
     rows = []
     for m in models:
-        note = ["unplaced"] if m["unplaced"] else []
+        note = []
+        scale = m.get("autoscale")
+        if scale is not None:
+            if scale["paused"] is not None:
+                p = scale["paused"]
+                note.append(f"paused at {p['replicas']} by {p['by']} {age(now - p['at'])} ago")
+            note.append(scale["reason"] or "no decision yet (no signal from the routers)")
+        if m["unplaced"]:
+            note.append(m.get("no_room") or "unplaced")
         failure = m.get("last_failure")
         if failure:
             note.append(f"{failure['replica_id']} failed {age(now - failure['at'])} ago: "
                         f"{failure['reason']}")  # fmt: skip
-        rows.append((m["model"], str(m["desired"]), str(m["ready"]), "; ".join(note) or "-"))
-    return table(("MODEL", "DESIRED", "READY", "NOTE"), rows)
+        span = f"{scale['min']}-{scale['max']}" if scale is not None else "-"
+        rows.append((m["model"], str(m["desired"]), str(m["ready"]), span, "; ".join(note) or "-"))
+    return table(("MODEL", "DESIRED", "READY", "AUTOSCALE", "NOTE"), rows)
 
 
 def format_traffic(splits: list[dict[str, Any]]) -> str:

@@ -61,6 +61,11 @@ def _read(run: Exec) -> StoreDump:
         ),
         # The event log moves with the store; the admin sessions do not (log in again).
         events=tuple(tuple(r) for r in run("SELECT at, body FROM events ORDER BY seq")),
+        # Held counts move; the routers' load does not (the next writes bring it).
+        paused=tuple(
+            tuple(r)
+            for r in run("SELECT model, replicas, actor, at FROM autoscale_paused ORDER BY model")
+        ),
     )
 
 
@@ -107,6 +112,11 @@ class StoreMove:
                 run(UPSERT_ROLLOUT.format(at="?"), row)
             for row in dump.events:
                 run(ADD_EVENT, row)
+            for row in dump.paused:
+                run(
+                    "INSERT INTO autoscale_paused (model, replicas, actor, at) VALUES (?,?,?,?)",
+                    row,
+                )
             run(
                 "UPDATE lease SET holder = NULL, expires_at = 0,"
                 " epoch = CASE WHEN epoch > ? THEN epoch ELSE ? END WHERE id = 1",

@@ -82,6 +82,14 @@ _SQLITE_MIGRATIONS: tuple[str, ...] = (
         taken INTEGER NOT NULL, PRIMARY KEY (tenant, kind, win));
     CREATE TABLE rate_routers (router TEXT PRIMARY KEY, seen_at REAL NOT NULL);
     """,
+    # 6: each control plane's routers' load, for the leader's autoscaler, and the
+    # counts operators hold (`ctl autoscale pause`) (llmgw/store/_autoscale.py).
+    """
+    CREATE TABLE router_load (cp TEXT PRIMARY KEY, body TEXT NOT NULL, at REAL NOT NULL);
+    CREATE TABLE autoscale_paused (
+        model TEXT PRIMARY KEY, replicas INTEGER NOT NULL, actor TEXT NOT NULL,
+        at REAL NOT NULL);
+    """,
 )
 _PG_MIGRATIONS: tuple[str, ...] = (
     """
@@ -137,6 +145,15 @@ _PG_MIGRATIONS: tuple[str, ...] = (
         tenant TEXT NOT NULL, kind TEXT NOT NULL, win BIGINT NOT NULL,
         taken BIGINT NOT NULL, PRIMARY KEY (tenant, kind, win));
     CREATE TABLE rate_routers (router TEXT PRIMARY KEY, seen_at DOUBLE PRECISION NOT NULL);
+    """,
+    # 6: each control plane's routers' load, for the leader's autoscaler, and the
+    # counts operators hold (`ctl autoscale pause`) (llmgw/store/_autoscale.py).
+    """
+    CREATE TABLE router_load (
+        cp TEXT PRIMARY KEY, body TEXT NOT NULL, at DOUBLE PRECISION NOT NULL);
+    CREATE TABLE autoscale_paused (
+        model TEXT PRIMARY KEY, replicas BIGINT NOT NULL, actor TEXT NOT NULL,
+        at DOUBLE PRECISION NOT NULL);
     """,
 )
 _PG_MIGRATE_LOCK = 0x6C6C6D67  # "llmg": the advisory lock that serializes migrations

@@ -20,6 +20,7 @@ from llmgw.errors import ConfigError
 from llmgw.keys import ApiKey, BudgetAsk, BudgetLeases, UsageRow
 from llmgw.store._accounts import AccountStore
 from llmgw.store._audit import AuditStore
+from llmgw.store._autoscale import AutoscaleStore
 from llmgw.store._backends import Backend, Postgres, Sqlite
 from llmgw.store._budget import BudgetStore
 from llmgw.store._events import EventStore
@@ -61,6 +62,7 @@ class SqlStore:
         self._events = EventStore(runner)
         self._sessions = SessionStore(runner)
         self._budget = BudgetStore(runner)
+        self._autoscale = AutoscaleStore(runner)
 
     def __repr__(self) -> str:
         return f"<SqlStore {self.where}, {self.calls} calls>"
@@ -219,6 +221,23 @@ class SqlStore:
 
     async def budget_taken(self, tenant: str, kind: str, window: int) -> int | None:
         return await self._budget.budget_taken(tenant, kind, window)
+
+    # routers' load for the leader's autoscaler, and held counts (_autoscale.py)
+
+    async def put_router_load(self, cp: str, body_json: str, now: float) -> None:
+        await self._autoscale.put_router_load(cp, body_json, now)
+
+    async def router_loads(self, since: float) -> list[tuple[str, str, float]]:
+        return await self._autoscale.router_loads(since)
+
+    async def pause_autoscale(self, model: str, replicas: int, actor: str, now: float) -> None:
+        await self._autoscale.pause_autoscale(model, replicas, actor, now)
+
+    async def resume_autoscale(self, model: str) -> bool:
+        return await self._autoscale.resume_autoscale(model)
+
+    async def autoscale_paused(self) -> dict[str, tuple[int, str, float]]:
+        return await self._autoscale.autoscale_paused()
 
     # moving a store (_move.py; llmgw-cp init --postgres)
 

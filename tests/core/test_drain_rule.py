@@ -90,10 +90,26 @@ def test_a_multi_node_replica_with_one_rank_on_a_draining_node_moves_whole() -> 
     assert sorted(a.shard_id for a in stops if isinstance(a, Stop)) == ["r1-0", "r1-1"]
 
 
-def test_undrained_it_counts_again_and_the_extra_is_stopped() -> None:
+def test_undrained_it_counts_again_and_the_extra_retires_as_a_drain_does() -> None:
     shards = [shard("r1", "n1"), shard("r2", "n2")]
-    p = reconcile([QWEN], shards, NODES, {"r1": 0.0, "r2": 5.0}, 10.0, drain=DrainInput())
-    assert [a.shard_id for a in p.actions if isinstance(a, Stop)] == ["r2-0"]  # the newest
+    seen = {"r1": 0.0, "r2": 5.0}
+    p = reconcile([QWEN], shards, NODES, seen, 10.0, drain=DrainInput())
+    assert p.actions == ()  # out of the router first: it may be answering
+    assert states(p) == {"r1": "ready", "r2": "retiring"}  # the newest
+    busy = DrainInput(in_flight={"r2": 2}, retiring_since={"r2": 10.0})
+    p = reconcile([QWEN], shards, NODES, seen, 11.0, drain=busy)
+    assert p.actions == () and states(p)["r2"] == "retiring"
+    assert "waiting for 2 in-flight requests" in str(p.replicas[1].reason)
+    done = DrainInput(in_flight={"r2": 0}, retiring_since={"r2": 10.0})
+    p = reconcile([QWEN], shards, NODES, seen, 12.0, drain=done)
+    assert [a.shard_id for a in p.actions if isinstance(a, Stop)] == ["r2-0"]
+
+
+def test_the_extra_named_first_retires_before_the_newest() -> None:
+    shards = [shard("r1", "n1"), shard("r2", "n2")]
+    p = reconcile([QWEN], shards, NODES, {"r1": 0.0, "r2": 5.0}, 10.0, drain=DrainInput(),
+                  retire_first={"r1"})  # fmt: skip
+    assert states(p) == {"r1": "retiring", "r2": "ready"}
 
 
 def test_a_cut_off_control_plane_retires_nothing() -> None:

@@ -1,6 +1,8 @@
 """The store's lease operations on tenants' per-minute budgets, on SQLite and a real
 PostgreSQL: grants stop at the limit, give-backs restore it, routers are counted, and
-four routers leasing at once on their own connections never take more than the limit."""
+four routers leasing at once on their own connections never take more than the limit.
+The autoscaler's tables ride along (one PostgreSQL per file is what costs): routers'
+loads by control plane, fresh ones only, and held counts that survive a reopen."""
 
 from __future__ import annotations
 
@@ -111,3 +113,39 @@ async def test_four_routers_leasing_at_once_never_take_more_than_the_limit(
     assert sum(granted) == 100, granted
     assert await store.budget_taken("acme", "rpm", W) == 100
     assert await store.budget_taken("zeta", "rpm", W) == 100  # 4 x 15 x 2 = 120 asked
+
+
+async def test_router_loads_are_kept_per_control_plane_and_old_ones_dropped(
+    store: SqlStore, where: str
+) -> None:
+    await store.put_router_load("cp-a", '{"w0": {}}', NOW)
+    await store.put_router_load("cp-b", '{"w0": {"m": 1}}', NOW + 1)
+    await store.put_router_load("cp-a", '{"w0": {"m": 2}}', NOW + 2)  # replaces its row
+    assert await store.router_loads(NOW - 10) == [
+        ("cp-a", '{"w0": {"m": 2}}', NOW + 2),
+        ("cp-b", '{"w0": {"m": 1}}', NOW + 1),
+    ]
+    assert [cp for cp, _, _ in await store.router_loads(NOW + 1.5)] == ["cp-a"]
+    await store.put_router_load("cp-c", "{}", NOW + 1000)  # cp-a and cp-b are 600 s old
+    assert [cp for cp, _, _ in await store.router_loads(0)] == ["cp-c"]
+
+
+async def test_held_counts_outlive_a_reopen_and_resume_deletes_them(
+    store: SqlStore, where: str
+) -> None:
+    await store.pause_autoscale("qwen", 3, "admin", NOW)
+    await store.pause_autoscale("qwen", 2, "ops", NOW + 5)  # held again: the newer count
+    await store.pause_autoscale("llama", 0, "admin", NOW)
+    again = await open_store(where, timeout_s=10)
+    try:
+        assert await again.autoscale_paused() == {
+            "qwen": (2, "ops", NOW + 5),
+            "llama": (0, "admin", NOW),
+        }
+        assert await again.resume_autoscale("qwen") is True
+        assert await again.resume_autoscale("qwen") is False
+        dump = await again.export_rows()
+        assert dump.paused == (("llama", 0, "admin", NOW),)
+    finally:
+        await again.aclose()
+    assert await store.autoscale_paused() == {"llama": (0, "admin", NOW)}

@@ -15,6 +15,7 @@ from urllib.parse import parse_qsl
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from llmgw.cp._admin._autoscale import AutoscaleRoutes
 from llmgw.cp._admin._fleet import Fleet
 from llmgw.cp._admin._http import Route, read_json, send_error
 from llmgw.cp._admin._key import authorised, digest
@@ -23,6 +24,7 @@ from llmgw.cp._admin._models import Explainer, Models
 from llmgw.cp._admin._rollouts import RolloutRoutes
 from llmgw.cp._admin._tenants import Tenants
 from llmgw.cp._admin._weights import Weights
+from llmgw.cp._fleet._autoscaler import Autoscaler
 from llmgw.cp._fleet._catalog_file import CatalogFile
 from llmgw.cp._fleet._leader import LeaderView
 from llmgw.cp._fleet._reconciler import Reconciler
@@ -51,6 +53,7 @@ class AdminApp:
         admin_key: str,
         *,
         reconciler: Reconciler | None = None,
+        autoscaler: Autoscaler | None = None,
         catalog: CatalogFile | None = None,
         keys: KeyStore | None = None,
         metrics: CollectorRegistry | None = None,
@@ -70,11 +73,12 @@ class AdminApp:
         # API through it (`pages(self)`).
         self.pages = pages(self) if pages is not None else None
         self._fleet = Fleet(registry, store)
-        self._models = Models(registry, reconciler, catalog, router)
+        self._models = Models(registry, reconciler, catalog, router, autoscaler)
         self._weights = Weights(registry, catalog)
         self._tenants = Tenants(store, keys, bands)
         self._logs = Logs(registry, store)
         self._rollouts = RolloutRoutes(reconciler, catalog, store)
+        self._autoscale = AutoscaleRoutes(autoscaler, catalog, store)
         self._routes: list[Route] = [
             *self._fleet.routes,
             *self._models.routes,
@@ -82,6 +86,7 @@ class AdminApp:
             *self._tenants.routes,
             *self._logs.routes,
             *self._rollouts.routes,
+            *self._autoscale.routes,
         ]
         # Each pattern matches a whole path, so the order of the rows decides nothing: a
         # (method, path) declared twice is a mistake, not a precedence to resolve.

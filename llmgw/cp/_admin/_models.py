@@ -10,8 +10,10 @@ from typing import Any, Protocol
 import trio
 
 from llmgw import config, core
+from llmgw.cp._admin._autoscale import scale_json
 from llmgw.cp._admin._common import NODES_PER_SLICE
 from llmgw.cp._admin._http import HttpError, Route, expect, route
+from llmgw.cp._fleet._autoscaler import Autoscaler
 from llmgw.cp._fleet._catalog import Catalog
 from llmgw.cp._fleet._catalog_file import CatalogFile
 from llmgw.cp._fleet._placing import Unplaced
@@ -38,8 +40,10 @@ class Models:
         reconciler: Reconciler | None,
         catalog: CatalogFile | None,
         router: Explainer | None,
+        autoscaler: Autoscaler | None = None,
     ) -> None:
         self._registry = registry
+        self._autoscaler = autoscaler
         self._reconciler = reconciler
         self._catalog = catalog
         self._router = router
@@ -140,17 +144,25 @@ class Models:
     async def status(self, **_: Any) -> tuple[int, Any]:
         reconciler, catalog = self._need_catalog()
         rows = self.replica_rows()
+        scales = {s.name: s for s in self._autoscaler.scales()} if self._autoscaler else {}
         out = []
         for m in catalog.catalog.models:
             mine = [r for r in rows if r["model"] == m.name]
             failure = self._registry.events.predecessor_failure(m.name, started=None, present=())
+            ready = sum(r["state"] == "ready" for r in mine)
+            scale = scales.get(m.name)
             out.append(
                 {
                     "model": m.name,
-                    "desired": m.replicas,
-                    "ready": sum(r["state"] == "ready" for r in mine),
+                    "desired": reconciler.count(m),
+                    # min, max, and the rule and signal that set `desired`; None: fixed count
+                    "autoscale": scale_json(scale, ready) if scale is not None else None,
+                    "priority": m.priority,
+                    "ready": ready,
                     "starting": sum(r["state"] == "starting" for r in mine),
                     "unplaced": any(r["state"] == "unplaced" for r in mine),
+                    # a full fleet: who holds the room, and whether it may be taken
+                    "no_room": reconciler.priorities.why(m.name),
                     "last_failure": _failure_json(failure),
                 }
             )

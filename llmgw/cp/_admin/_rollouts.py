@@ -67,7 +67,7 @@ class RolloutRoutes:
                 "old": sum(1 for v in mine if v.stale),
                 "new": sum(1 for v in mine if not v.stale),
                 "new_ready": sum(1 for v in mine if not v.stale and v.state == "ready"),
-                "wanted": m.replicas,
+                "wanted": reconciler.count(m),
             },
         }
 

@@ -96,15 +96,26 @@ class Autoscale:
     hold_s: float | None = None
 
     def policy(self) -> core.AutoscalePolicy:
-        given = {
-            k: v
-            for k, v in attrs.asdict(self, recurse=False).items()
-            if k != "target" and v is not None
-        }
-        t = self.target
-        if t.requests_per_replica is not None or t.ttft_p90_s is not None:
-            given |= {"requests_per_replica": t.requests_per_replica, "ttft_p90_s": t.ttft_p90_s}
-        return core.AutoscalePolicy(**given)
+        return autoscale_policy(self)
+
+
+def autoscale_policy(a: Autoscale) -> core.AutoscalePolicy:
+    """`a` as the decision takes it: a setting not given is the core's default."""
+    given: dict[str, float | int | None] = {
+        "window_s": a.window_s,
+        "scale_down_after_s": a.scale_down_after_s,
+        "max_step_up": a.max_step_up,
+        "up_cooldown_s": a.up_cooldown_s,
+        "down_cooldown_s": a.down_cooldown_s,
+        "predict_s": a.predict_s,
+        "hold_max": a.hold_max,
+        "hold_s": a.hold_s,
+    }
+    t = a.target
+    if t.requests_per_replica is not None or t.ttft_p90_s is not None:
+        given |= {"requests_per_replica": t.requests_per_replica, "ttft_p90_s": t.ttft_p90_s}
+    kept = {k: v for k, v in given.items() if v is not None or k.startswith(("requests", "ttft"))}
+    return core.AutoscalePolicy(min=a.min, max=a.max, **kept)  # type: ignore[arg-type]
 
 
 @attrs.define(kw_only=True, frozen=True)
@@ -220,6 +231,8 @@ def validate_catalog(catalog: Catalog, source: str, problems: list[str] | None =
             problems.append(f"{where}.source: empty")
         if m.replicas < 0:
             problems.append(f"{where}.replicas: {m.replicas} is negative")
+        if m.autoscale is not None:
+            problems += core.validate_policy(m.autoscale.policy(), f"{where}.autoscale")
         problems += _rollout_problems(m.rollout, f"{where}.rollout")
         if not m.profiles:
             problems.append(f"{where}.profiles: at least one profile is needed")
@@ -280,6 +293,12 @@ def parse(data: Any, source: str) -> Catalog:
     parsed = config.structure({"models": models}, CatalogFile, source)
     traffic = data.get("traffic") if isinstance(data, dict) else None
     splits, problems = _traffic.parse(traffic, tuple(parsed.models), source)
+    for i, raw in enumerate(models if isinstance(models, list) else ()):
+        if isinstance(raw, dict) and "replicas" in raw and "autoscale" in raw:
+            problems.append(
+                f"models[{i}]: replicas and autoscale are both set: autoscale sets the count "
+                "between its min and max; leave replicas out"
+            )
     catalog = Catalog(models=tuple(parsed.models), traffic=splits)
     validate_catalog(catalog, source, problems)
     return catalog

@@ -29,7 +29,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from llmgw import core, model
-from llmgw.cp._fleet._catalog import Catalog
+from llmgw.cp._fleet._autoscaler import ModelScale
+from llmgw.cp._fleet._catalog import Catalog, CatalogModel
 from llmgw.cp._fleet._placing import Unplaced
 from llmgw.cp._fleet._registry import NodeRecord
 
@@ -65,6 +66,8 @@ class FleetInput:
     replicas: Sequence[core.ReplicaView] | None = None  # None: not known (no reconciler)
     unplaced: Sequence[Unplaced] = ()
     catalog: Catalog | None = None  # None: not known (no desired/ready families)
+    count: Callable[[CatalogModel], int] | None = None  # the replicas wanted now (autoscaled)
+    scales: Sequence[ModelScale] = ()  # the autoscaled models (the leader's figures)
     max_age_s: float = MAX_AGE_S
 
 
@@ -116,9 +119,17 @@ DOCS = {
     "llmgw_shard_cpu_cores": "CPU cores the shard's processes use",
     "llmgw_shard_memory_bytes": "resident memory of the shard's processes",
     "llmgw_replica_state": "1 for each replica's current state",
-    "llmgw_model_desired_replicas": "replicas the catalog asks for",
+    "llmgw_model_desired_replicas": "replicas wanted now: the catalog's, or the autoscaler's",
     "llmgw_model_ready_replicas": "replicas in state ready",
     "llmgw_model_unplaced": "1 when the reconciler found no place for the model",
+    "llmgw_autoscale_min_replicas": "an autoscaled model's min",
+    "llmgw_autoscale_max_replicas": "an autoscaled model's max",
+    "llmgw_autoscale_paused": "1 while an operator holds the model's count, else 0",
+    "llmgw_autoscale_queued_requests": "requests waiting in every router, last sample",
+    "llmgw_autoscale_in_flight_requests": "requests being answered, over every router",
+    "llmgw_autoscale_uncached_prompt_tokens": "prompt tokens in flight the engines compute",
+    "llmgw_autoscale_ttft_p90_seconds": "TTFT p90 of the first bytes in the last sample",
+    "llmgw_autoscale_refused_requests": "429/503 for capacity in the last sample",
     "llmgw_engine_state": "1 for each engine's install state on the node",
     "llmgw_fabric_adapters": "adapters in the node's fabric",
     "llmgw_fabric_rate_bits_per_second": "the fabric's slowest active link",
@@ -188,11 +199,23 @@ def fleet_families(inp: FleetInput) -> list[Metric]:
             r.model_name for r in inp.replicas or () if r.state == core.ReplicaState.READY
         )
         for m in inp.catalog.models:
-            add("llmgw_model_desired_replicas", {"model": m.name}, m.replicas)
+            wanted = inp.count(m) if inp.count is not None else m.replicas
+            add("llmgw_model_desired_replicas", {"model": m.name}, wanted)
             if inp.replicas is not None:
                 add("llmgw_model_ready_replicas", {"model": m.name}, ready[m.name])
     for u in inp.unplaced:
         add("llmgw_model_unplaced", {"model": u.model_name}, 1)
+    for s in inp.scales:
+        labels = {"model": s.name}
+        add("llmgw_autoscale_min_replicas", labels, s.policy.min)
+        add("llmgw_autoscale_max_replicas", labels, s.policy.max)
+        add("llmgw_autoscale_paused", labels, 1 if s.paused is not None else 0)
+        if s.sample is not None:  # absent, not zero, before the first sample
+            add("llmgw_autoscale_queued_requests", labels, s.sample.queued)
+            add("llmgw_autoscale_in_flight_requests", labels, s.sample.in_flight)
+            add("llmgw_autoscale_uncached_prompt_tokens", labels, s.sample.uncached_tokens)
+            add("llmgw_autoscale_ttft_p90_seconds", labels, s.sample.ttft_p90_s)
+            add("llmgw_autoscale_refused_requests", labels, s.sample.rejected)
     return out.all()
 
 
@@ -248,6 +271,8 @@ class ReplicaSource(Protocol):
 
     def unplaced(self) -> Sequence[Unplaced]: ...
 
+    def count(self, m: CatalogModel) -> int: ...
+
 
 class FleetCollector(Collector):
     """Registered on the registry `/metrics` serves; computes at every scrape."""
@@ -258,11 +283,13 @@ class FleetCollector(Collector):
         *,
         reconciler: ReplicaSource | None = None,
         catalog: Callable[[], Catalog] | None = None,
+        scales: Callable[[], Sequence[ModelScale]] | None = None,
         clock: Callable[[], float] = trio.current_time,  # the registry's clock
         max_age_s: float = MAX_AGE_S,
     ) -> None:
         self._registry = registry
         self._reconciler = reconciler
+        self._scales = scales
         self._catalog = catalog
         self._clock = clock
         self.max_age_s = max_age_s
@@ -279,6 +306,8 @@ class FleetCollector(Collector):
                 replicas=rec.replicas() if rec is not None else None,
                 unplaced=rec.unplaced() if rec is not None else (),
                 catalog=self._catalog() if self._catalog is not None else None,
+                count=rec.count if rec is not None else None,
+                scales=self._scales() if self._scales is not None else (),
                 max_age_s=self.max_age_s,
             )
         )

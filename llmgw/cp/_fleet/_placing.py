@@ -10,7 +10,7 @@ when nothing is placed, since a start could fetch onto a disk that cannot hold i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import attrs
 
@@ -78,13 +78,14 @@ class Placing:
             return False
         return True
 
-    def allocations(self) -> core.Allocations:
+    def allocations(self, without: Collection[str] = ()) -> core.Allocations:
         # Starts in flight hold their cards too: the next pass must not give them again.
-        return core.allocations(self._registry.records(), self._flying())
+        return core.allocations(self._registry.records(), self._flying(), without)
 
-    def placer(self) -> core.Placer:
-        """The fleet indexed once; place several replicas with it, adding each."""
-        return core.Placer(self.facts(), self.allocations())
+    def placer(self, without: Collection[str] = ()) -> core.Placer:
+        """The fleet indexed once; place several replicas with it, adding each.
+        `without`: as if these replicas were gone (what retiring them would free)."""
+        return core.Placer(self.facts(), self.allocations(without))
 
     def try_place(
         self, m: CatalogModel, placer: core.Placer | None = None

@@ -47,6 +47,7 @@ from llmgw.cp._fleet._backoffs import ModelBackoffs
 from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile
 from llmgw.cp._fleet._launch import shard_specs
 from llmgw.cp._fleet._placing import Placing, Unplaced
+from llmgw.cp._fleet._priorities import Priorities
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.cp._fleet._retiring import Retiring
 from llmgw.cp._fleet._rollouts import Rollouts
@@ -78,14 +79,18 @@ class _Pending:
     ranks: tuple[tuple[str, model.ShardSpec], ...]  # (node, spec), the leader first
 
 
-def desired(catalog: Catalog) -> list[DesiredModel]:
-    """The catalog as the plan wants it: each model's replicas, and its profiles'
-    fingerprints with their startup timeouts."""
+def desired(
+    catalog: Catalog, count: Callable[[CatalogModel], int] | None = None
+) -> list[DesiredModel]:
+    """The catalog as the plan wants it: each model's replicas (`count`: the
+    autoscaler's, llmgw/cp/_fleet/_autoscaler.py; else the catalog's `replicas`), and
+    its profiles' fingerprints with their startup timeouts."""
     out = []
     for m in catalog.models:
         prints = catalog.fingerprints(m)
         timeouts = {fp: p.startup_timeout_s for fp, p in zip(prints, m.profiles, strict=True)}
-        out.append(DesiredModel(m.name, m.replicas, prints, timeouts, m.rollout.policy()))
+        wanted = count(m) if count is not None else m.replicas
+        out.append(DesiredModel(m.name, wanted, prints, timeouts, m.rollout.policy()))
     return out
 
 
@@ -109,11 +114,21 @@ class Reconciler:
         backoff: core.BackoffPolicy | None = None,
         rollouts: Rollouts | None = None,
         wedged: Callable[[], Mapping[str, str]] | None = None,
+        count: Callable[[CatalogModel], int] | None = None,
+        queued: Callable[[str], int | None] | None = None,
+        lower: Callable[[str, int, str], None] | None = None,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
+        # Each model's replicas now: the autoscaler's count, else the catalog's.
+        self.count: Callable[[CatalogModel], int] = count or (lambda m: m.replicas)
         # Placement's input (llmgw/cp/_fleet/_placing.py), with each source's size.
         self.placing = Placing(registry, self._flying, clock, sizes)
+        # A full fleet: idle lower-priority replicas make room (llmgw/cp/_fleet/_priorities.py).
+        self.priorities = Priorities(
+            registry, self.placing, in_flight=in_flight,
+            queued=queued or (lambda name: None), lower=lower or (lambda name, n, why: None),
+        )  # fmt: skip
         # Poked by whatever has news (the registry, the sizes, the catalog:
         # llmgw/cp/_fleet/_wake.py)
         self._wake = wake if wake is not None else Wakeup()
@@ -233,7 +248,7 @@ class Reconciler:
         }  # a shard that recovers starts from zero next time
         file_catalog = self._catalog()
         catalog = self._models = self.rollouts.catalog(file_catalog)
-        wanted = desired(catalog)
+        wanted = desired(catalog, self.count)
         current = {d.name: d.fingerprints for d in wanted}
         stale = {
             s.replica_id
@@ -241,8 +256,17 @@ class Reconciler:
             if s.replica_id
             and s.fingerprint not in current.get(s.model_name or "", (s.fingerprint,))
         }
+        # A model with more replicas than it wants retires some (the plan says which):
+        # their in-flight counts are what the retirement waits on.
+        counts = {d.name: d.replicas for d in wanted}
+        by_model: dict[str, set[str]] = {}
+        for s in shards:
+            if s.replica_id and s.model_name in counts:
+                by_model.setdefault(s.model_name, set()).add(s.replica_id)
+        extra = {r for name, ids in by_model.items() if len(ids) > counts[name] for r in ids}
         drain = core.drain_input(shards, self._registry.draining, self._in_flight,
-                                 self._retiring.since(), self.drain_timeout_s, also=stale,
+                                 self._retiring.since(), self.drain_timeout_s,
+                                 also=stale | extra,
                                  replicas=core.gpu_drains(self._registry.records()))  # fmt: skip
         controls = self.rollouts.controls(self._unplaced)
         self.wedged.note(seen, now)
@@ -258,13 +282,14 @@ class Reconciler:
                 backoff=self.backoff.current(), backoff_policy=self.backoff.policy,
                 rollouts=controls, wedged=self.wedged.reasons,
                 settling=not self._settle.settled,
+                retire_first=self.priorities.retire_first(),
             )  # fmt: skip
 
         plan = reconcile()
         others = self._failed_starts.keys() | self._pending.keys()
         again = self.backoff.note(plan, {d.name for d in wanted}, others, now)
         if self._settle.settled and self._registry.acting():
-            again = self.rollouts.note(plan, catalog, file_catalog) or again
+            again = self.rollouts.note(plan, catalog, file_catalog, self.count) or again
             controls = self.rollouts.controls(self._unplaced)
         if again:
             plan = reconcile()  # a failure seen in this pass delays its own replacement
@@ -277,7 +302,7 @@ class Reconciler:
 
     def backoffs(self) -> dict[str, core.Backoff]:
         """The models whose starts the backoff holds back (`ctl replicas`, the pages)."""
-        wanted = {m.name: m.replicas for m in self._catalog().models}  # undo keeps the count
+        wanted = {m.name: self.count(m) for m in self._catalog().models}  # undo keeps the count
         return self.backoff.holding(self._last_plan.replicas, wanted)
 
     def retiring(self) -> frozenset[str]:
@@ -299,6 +324,8 @@ class Reconciler:
                 self._last_notes = plan.notes
             if self._settle.done(self._registry.records(), self._registry.known):
                 self._act(plan)
+                catalog = self._models if self._models is not None else self._catalog()
+                self.priorities.after_pass(catalog, plan, self._unplaced, self.count)
         finally:
             self._passes += 1
         await trio.lowlevel.checkpoint()
@@ -467,6 +494,15 @@ class Reconciler:
 
     def unplaced(self) -> list[Unplaced]:
         return list(self._unplaced.values())
+
+    def live(self, model_name: str) -> int:
+        """The model's replicas alive in the last plan, with its starts in flight."""
+        alive = sum(
+            1
+            for v in self._last_plan.replicas
+            if v.model_name == model_name and v.state in core.ALIVE_REPLICA_STATES
+        )
+        return alive + sum(1 for p in self._pending.values() if p.model_name == model_name)
 
 
 def _views(

@@ -190,7 +190,13 @@ class Rollouts:
                     model_name, mr.record.failures)  # fmt: skip
         self._changed(model_name)
 
-    def note(self, plan: Plan, catalog: Catalog, file_catalog: Catalog) -> bool:
+    def note(
+        self,
+        plan: Plan,
+        catalog: Catalog,
+        file_catalog: Catalog,
+        count: Callable[[CatalogModel], int] | None = None,
+    ) -> bool:
         """After an acting pass on `catalog` (this class's `catalog(file_catalog)`): begin,
         count, finish; keep each model's settled version. True when a rollout began or a
         failure was counted: the pass plans again with it."""
@@ -224,7 +230,7 @@ class Rollouts:
                     self._changed(m.name)
                     if step.phase is not RolloutPhase.ROLLING or rec.phase != step.phase:
                         log.info("%s: rollout %s", m.name, step.status)
-            if step is None and _settles(plan, m):
+            if step is None and _settles(plan, m, count(m) if count else m.replicas):
                 version = Version(fps, config.unstructure(m))
                 if mr.settled != version:
                     mr.settled = version
@@ -313,8 +319,8 @@ def _active(rec: RolloutRecord | None) -> bool:
     return rec is not None and rec.finished_at is None
 
 
-def _settles(plan: Plan, m: CatalogModel) -> bool:
-    """Every replica of `m` runs its catalog version and enough are ready: settled."""
+def _settles(plan: Plan, m: CatalogModel, wanted: int) -> bool:
+    """Every replica of `m` runs its catalog version and enough (of `wanted`) are ready."""
     mine = [v for v in plan.replicas if v.model_name == m.name]
     ready = sum(1 for v in mine if v.state == core.ReplicaState.READY)
-    return not any(v.stale for v in mine) and ready >= m.replicas and (ready > 0 or m.replicas == 0)
+    return not any(v.stale for v in mine) and ready >= wanted and (ready > 0 or wanted == 0)
