@@ -49,7 +49,7 @@ from llmgw.cp._observe._history import History
 from llmgw.cp._pages import Sessions, api_client, make_pages
 from llmgw.cp._weights._mirror import ManifestCache, serve_mirror
 from llmgw.cp._weights._sizes import SourceSizes
-from llmgw.cp._workers import SOCKET_NAME, WorkerHub, supervise
+from llmgw.cp._workers import SOCKET_NAME, WorkerHub, loads_by_router, supervise
 from llmgw.errors import LlmgwError
 from llmgw.router import (
     Router,
@@ -182,6 +182,9 @@ class ControlPlane:
     events: EventKeeper  # the event log's writer to the store, and its reader
     sessions: Sessions  # the admin pages' logins, kept in the store
     catalog_changed: Callable[[], None]  # what a catalog reload that changed it pokes
+    # Each router's load per served model here: this process's ("w0") and each router
+    # worker's (llmgw/cp/_workers.py loads_by_router), for the autoscaler.
+    loads_by_router: Callable[[], dict[str, dict[str, core.RouterLoad]]]
 
 
 async def assemble(
@@ -420,6 +423,7 @@ async def assemble(
         events=events,
         sessions=sessions,
         catalog_changed=catalog_changed,
+        loads_by_router=partial(loads_by_router, router, hub),
     )
 
 

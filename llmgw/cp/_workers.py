@@ -11,11 +11,12 @@ worker, JSON lines both ways:
     worker -> cp   {"hello": i, "pid": P}                           once
     cp -> worker   {"router": {...}, "store": WHERE, "admin_key": PATH}  once (server.yaml)
     cp -> worker   {"version": V, "endpoints": {model: [[id, model, engine, host, port, slots]]},
-                    "traffic": {split: {versions, keys}}}  (llmgw.router.encode_traffic)
+                    "traffic": {split: {versions, keys}},  (llmgw.router.encode_traffic)
+                    "holds": {model: {"max": n, "s": seconds}}}  (llmgw.router.encode_holds)
                    at once, then whenever the fleet view's version moves (checked every 50 ms)
     worker -> cp   {"version": V, "in_flight": {endpoint id: n},    every 200 ms, and at once
-                    "quarantined": {endpoint id: reason}}           after applying a new view
-                                                                    (absent ids: 0, none)
+                    "quarantined": {endpoint id: reason},           after applying a new view
+                    "load": {model: RouterLoad.as_json()}}          (absent ids: 0, none)
     both ways      {"learned": [[endpoint id, sent, delta, [block hash, ...]], ...]}
                    what a worker's prefix index learned, every 50 ms when there is any;
                    the control plane relays each worker's to every other worker and applies
@@ -33,6 +34,15 @@ for drain_timeout_s, as it does without a router) while any worker has not
 reported within `STALE_S`, or its report is for an older view than the one the
 control plane lists now: only a worker that has applied the view without a
 retiring replica can say it will send it nothing new.
+
+`loads_by_router()` is each router's load per served model (llmgw/core/_load.py
+RouterLoad: the autoscaler's signals), the control plane's own as "w0" and each
+worker's as "w{i}-{pid}" (a restarted worker is a new router: its counters start
+from zero again); a worker not heard from within `STALE_S` is left out. Counters
+are per router, never summed here: the reader differences each router's readings
+(`core.grown`). A load that does not parse is dropped, with a warning naming the
+worker. A model with a hold (llmgw/router/_holds.py) is held by each worker, its
+`share()` of `hold_max` each, as by the control plane's own router.
 
 `quarantined()` is every worker's endpoints quarantined as wedged (llmgw/router/_wedge.py)
 with the control plane's own: a wedge one worker saw is the replica's, and the reconciler
@@ -61,20 +71,24 @@ import trio
 
 from llmgw import config
 from llmgw._process import run_service, setup_logging
-from llmgw.core import Learned, Outbox, TrafficSplit
+from llmgw.core import Learned, Outbox, RouterLoad, TrafficSplit
 from llmgw.cp._admin import read_admin_key
 from llmgw.router import (
     Endpoint,
     EndpointSource,
+    Hold,
     Lines,
     LineSender,
     Relay,
     Router,
     RouterConfig,
     StoreKeys,
+    decode_holds,
     decode_traffic,
+    encode_holds,
     encode_traffic,
     hear,
+    holds_of,
     keep_worker,
     learned_line,
     listener_limits,
@@ -108,6 +122,7 @@ def _encode(source: EndpointSource) -> dict[str, Any]:
             for name, eps in snap.items()
         },
         "traffic": encode_traffic(source.traffic()),
+        "holds": encode_holds(holds_of(source)),
     }
 
 
@@ -118,9 +133,45 @@ class _Report:
         counts: Mapping[str, int],
         at: float,
         wedged: Mapping[str, str] | None = None,
+        loads: Mapping[str, RouterLoad] | None = None,
+        router: str = "",
     ) -> None:
         self.version, self.counts, self.at = version, counts, at
         self.wedged = wedged or {}  # endpoint id -> why the worker quarantined it
+        self.loads = loads or {}  # served name -> the worker's load (the autoscaler's)
+        self.router = router  # "w{i}-{pid}": a restarted worker is another router
+
+
+def _loads(index: int, value: object, warned: list[bool]) -> dict[str, RouterLoad]:
+    """A report's "load", each model's validated: a bad one is dropped (the first time
+    on a connection with a warning naming the worker, then quietly)."""
+    if value is None:
+        return {}
+    out: dict[str, RouterLoad] = {}
+    bad: list[str] = []
+    if not isinstance(value, dict):
+        bad.append(f"load is not an object: {value!r:.80}")
+        value = {}
+    for name, raw in value.items():
+        try:
+            out[str(name)] = RouterLoad.from_json(raw)
+        except ValueError as exc:
+            bad.append(f"{str(name)[:60]!r}: {exc}")
+    if bad:
+        (log.debug if warned[0] else log.warning)(
+            "router worker %d: dropped a bad load in its report (%s)", index, "; ".join(bad)
+        )
+        warned[0] = True
+    return out
+
+
+def loads_by_router(local: Router, hub: WorkerHub | None) -> dict[str, dict[str, RouterLoad]]:
+    """Each router's load per served model: the control plane's own ("w0") and, with
+    workers, each worker's that reported within `STALE_S` ("w{i}-{pid}")."""
+    out = {"w0": local.loads()}
+    if hub is not None:
+        out.update(hub.loads())
+    return out
 
 
 class WorkerHub:
@@ -167,6 +218,12 @@ class WorkerHub:
             total += r.counts.get(endpoint_id, 0)
         return total
 
+    def loads(self) -> dict[str, dict[str, RouterLoad]]:
+        """The workers' (1..N-1) loads by router id ("w{i}-{pid}"), from reports made
+        within `STALE_S` (`loads_by_router` adds the control plane's own)."""
+        now = time.monotonic()
+        return {r.router: dict(r.loads) for r in self._reports.values() if now - r.at <= STALE_S}
+
     def quarantined(self) -> dict[str, str]:
         """The workers' (1..N-1) endpoints quarantined as wedged, and why."""
         now = time.monotonic()
@@ -201,13 +258,14 @@ class WorkerHub:
             if not 1 <= index < self.workers:
                 log.warning("router worker channel: no worker %s (of %d)", index, self.workers)
                 return
+            pid = int(hello["pid"])
             await _send(stream, self._setup)
-            log.info("router worker %d (pid %s) connected", index, hello.get("pid"))
+            log.info("router worker %d (pid %d) connected", index, pid)
             box = self.relay.join(index)
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._push, stream, box, nursery.cancel_scope)
-                    await self._receive(index, lines)
+                    await self._receive(index, lines, f"w{index}-{pid}")
                     nursery.cancel_scope.cancel()
             finally:
                 self.relay.leave(index, box)
@@ -221,8 +279,11 @@ class WorkerHub:
                 log.info("router worker %d disconnected", index)
             await stream.aclose()
 
-    async def _receive(self, index: int, lines: _Lines) -> None:
-        """The worker's reports, until it closes the channel (or breaks it)."""
+    async def _receive(self, index: int, lines: _Lines, router: str | None = None) -> None:
+        """The worker's reports, until it closes the channel (or breaks it); `router`:
+        its router id in `loads()` (default "w{index}")."""
+        router = router or f"w{index}"
+        warned = [False]
         try:
             while True:
                 msg = await lines.next()
@@ -231,8 +292,9 @@ class WorkerHub:
                     continue
                 counts = {str(k): int(v) for k, v in msg["in_flight"].items()}
                 wedged = {str(k): str(v) for k, v in msg.get("quarantined", {}).items()}
+                loads = _loads(index, msg.get("load"), warned)
                 self._reports[index] = _Report(
-                    int(msg["version"]), counts, time.monotonic(), wedged
+                    int(msg["version"]), counts, time.monotonic(), wedged, loads, router
                 )
         except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
@@ -304,6 +366,7 @@ class RemoteEndpoints:
         self._version = -1
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
         self._traffic: dict[str, TrafficSplit] = {}
+        self._holds: dict[str, Hold] = {}
 
     @property
     def version(self) -> int:
@@ -315,6 +378,9 @@ class RemoteEndpoints:
     def traffic(self) -> Mapping[str, TrafficSplit]:
         return self._traffic
 
+    def holds(self) -> Mapping[str, Hold]:
+        return self._holds
+
     def apply(self, view: Mapping[str, Any]) -> None:
         self._snapshot = {
             name: tuple(
@@ -324,6 +390,7 @@ class RemoteEndpoints:
             for name, eps in view["endpoints"].items()
         }
         self._traffic = decode_traffic(view.get("traffic"))
+        self._holds = decode_holds(view.get("holds"))
         self._version = int(view["version"])
 
 
@@ -364,6 +431,7 @@ async def run_worker(
             counts = {eid: n for eid in seen if (n := router.in_flight(eid)) > 0}
             seen.intersection_update(listed | counts.keys())  # gone and idle: never again
             msg: dict[str, Any] = {"version": source.version, "in_flight": counts}
+            msg["load"] = {name: load.as_json() for name, load in router.loads().items()}
             wedged = router.fleet.quarantined()
             if wedged:
                 msg["quarantined"] = wedged

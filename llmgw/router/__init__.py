@@ -9,6 +9,9 @@ not hypercorn); `serve_hypercorn(app, config)` is hypercorn as every llmgw
 listener on it runs (`_hypercorn.py`: connections closed when their client
 goes); `python -m llmgw.router` is router-only mode. `listener_limits(config)`
 is the router listener's `ListenerLimits` (llmgw.web.limits, re-exported here).
+`router.loads()` is its load per served model (the autoscaler's signals); an
+endpoint source's optional `holds()` (`Hold`) keeps requests for a model at zero
+replicas waiting for its first, `encode_holds`/`decode_holds` carry them.
 """
 
 from llmgw.router._hypercorn import serve as serve_hypercorn
@@ -37,7 +40,15 @@ from llmgw.router._share import (
 )
 from llmgw.router._surface import HttpError
 from llmgw.router._traffic import VERSION_HEADER, decode_traffic, encode_traffic
-from llmgw.router._types import Endpoint, EndpointSource, StaticEndpoints
+from llmgw.router._types import (
+    Endpoint,
+    EndpointSource,
+    Hold,
+    StaticEndpoints,
+    decode_holds,
+    encode_holds,
+    holds_of,
+)
 from llmgw.web.limits import ListenerLimits
 
 __all__ = [
@@ -48,6 +59,7 @@ __all__ = [
     "CachedKeys",
     "Endpoint",
     "EndpointSource",
+    "Hold",
     "HttpError",
     "KeyStore",
     "LineSender",
@@ -59,9 +71,12 @@ __all__ = [
     "StaticEndpoints",
     "StaticKeys",
     "StoreKeys",
+    "decode_holds",
     "decode_traffic",
+    "encode_holds",
     "encode_traffic",
     "hear",
+    "holds_of",
     "keep_worker",
     "learned_line",
     "listener_limits",

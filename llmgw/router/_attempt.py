@@ -44,6 +44,7 @@ from llmgw.router import _surface
 from llmgw.router._continue import Join
 from llmgw.router._fleet import Fleet, Model
 from llmgw.router._flight import Flight
+from llmgw.router._load import LoadCounters, ModelCounts
 from llmgw.router._metering import UsageStrip
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._record import Ask, Record
@@ -101,6 +102,7 @@ class Sent:
 
     __slots__ = (
         "blocks",
+        "counts",
         "decode",
         "flight",
         "guessed_tokens",
@@ -122,10 +124,13 @@ class Sent:
         now: float,
         expected_first_byte_s: float | None = None,
         outbox: Outbox | None = None,
+        counts: ModelCounts | None = None,
     ) -> None:
-        """`outbox`: where the other router workers learn what this index records."""
+        """`outbox`: where the other router workers learn what this index records;
+        `counts`: the model's load signals (its uncached tokens, llmgw/router/_load.py)."""
         self.state = state
         self.outbox = outbox
+        self.counts = counts
         self.prefill = prefill
         self.decode = decode
         self.match = match
@@ -135,6 +140,8 @@ class Sent:
         self.flight = Flight(now, expected_first_byte_s)
         state.flights.add(self.flight)
         state.pending_prefill += prefill
+        if counts is not None:
+            counts.uncached += prefill
         state.pending_decode += decode
         if blocks:
             state.index.record(blocks, now)  # predict-on-route: siblings follow
@@ -149,15 +156,13 @@ class Sent:
         """The answer has begun: the prompt is processed, and the engine holds it."""
         if self.prefill < 0:
             return
-        self.state.pending_prefill = max(0.0, self.state.pending_prefill - self.prefill)
-        self.prefill = -1.0  # taken back
+        self._prefilled()
         if self.blocks:
             self.state.index.computed(self.blocks, trio.current_time())
 
     def done(self) -> None:
         if self.prefill >= 0:  # ended before its answer began
-            self.state.pending_prefill = max(0.0, self.state.pending_prefill - self.prefill)
-            self.prefill = -1.0
+            self._prefilled()
         if self.blocks:
             self.state.index.end(self.blocks)
         self.blocks = None
@@ -168,6 +173,13 @@ class Sent:
         self.decode = 0.0
         self.state.in_flight -= 1
         self.state.ended(self.flight)
+
+    def _prefilled(self) -> None:
+        """The prompt is no longer the engine's to compute: its estimate taken back."""
+        self.state.pending_prefill = max(0.0, self.state.pending_prefill - self.prefill)
+        if self.counts is not None:
+            self.counts.uncached = max(0.0, self.counts.uncached - self.prefill)
+        self.prefill = -1.0  # taken back
 
 
 def _route_refusal(ask: Ask) -> ContinuationRefusal:
@@ -191,10 +203,19 @@ class Attempts:
     """The attempt loop, for every request of one router."""
 
     def __init__(
-        self, fleet: Fleet, metrics: RouterMetrics, *, retries: int, timeouts: Timeouts
+        self,
+        fleet: Fleet,
+        metrics: RouterMetrics,
+        *,
+        retries: int,
+        timeouts: Timeouts,
+        load: LoadCounters | None = None,
     ) -> None:
+        """`load`: where first bytes, no-replica refusals and uncached tokens count
+        (llmgw/router/_load.py)."""
         self._fleet = fleet
         self._metrics = metrics
+        self._load = load or LoadCounters()
         self._retries = retries
         self._timeouts = timeouts
         self._block_bytes = fleet.config.prefix_block_bytes
@@ -260,6 +281,7 @@ class Attempts:
                     estimate.prompt_tokens - cached, estimate.output_tokens, not ask.stream
                 ),
                 fleet.outbox,
+                self._load.of(model.name),
             )
             told = False  # whether the breaker has had the head's verdict
             try:
@@ -337,6 +359,7 @@ class Attempts:
             return
         if last is not None:
             raise last
+        self._load.rejected(model.name)
         raise _surface.no_replica(model.name, reachable=bool(model.endpoints))
 
     async def _cut(
@@ -471,7 +494,10 @@ class Attempts:
             if first:
                 first = False
                 if record.ttft is None:  # a continued stream's first chunk is not the answer's
-                    record.ttft = trio.current_time() - start
+                    now = trio.current_time()
+                    record.ttft = now - start
+                    if record.arrived is not None:
+                        self._load.first_byte(model, now - record.arrived)
                 sent.answering()
             if join is not None:
                 chunk = join.feed(chunk)  # whole events, a continued one made the first's

@@ -45,7 +45,7 @@ from llmgw.router._config import RouterConfig
 from llmgw.router._record import Prompt
 from llmgw.router._scraper import EndpointState
 from llmgw.router._tenants import share
-from llmgw.router._types import Endpoint, EndpointSource
+from llmgw.router._types import Endpoint, EndpointSource, Hold, holds_of
 
 log = logging.getLogger("llmgw.router")
 
@@ -197,6 +197,8 @@ class Fleet:
         self._models: dict[str, Model] = {}  # every name ever listed (their admission stays)
         self._known: dict[str, Model] = {}  # what the source lists now
         self._traffic: dict[str, TrafficSplit] = {}  # split name -> its versions
+        self._holds: dict[str, Hold] = {}  # served name -> how it waits at zero replicas
+        self._refreshed = trio.Event()  # set (and replaced) by each `refresh`
         self._states: dict[str, EndpointState] = {}
         # Endpoints that left the source's list with requests still on them: their
         # counts stay readable (`in_flight`) until the last one ends (a drain waits on it).
@@ -227,8 +229,21 @@ class Fleet:
         self.maybe_refresh()
         return self._known
 
+    def listed(self) -> Mapping[str, Model]:
+        """The models the source listed when last read (reads only, unlike `models`)."""
+        return self._known
+
     def endpoint_states(self) -> dict[str, EndpointState]:
         return self._states
+
+    def holds(self) -> dict[str, Hold]:
+        """How requests for a model with no endpoint wait for one (llmgw/router/_holds.py),
+        as the source said when last read."""
+        return self._holds
+
+    async def refreshed(self) -> None:
+        """Wait for the next `refresh` (the view re-read: an endpoint may have come)."""
+        await self._refreshed.wait()
 
     def traffic(self) -> dict[str, TrafficSplit]:
         """The splits the source lists now (llmgw/core/_traffic.py), re-read first when it
@@ -389,7 +404,10 @@ class Fleet:
         self._states = states
         self._known = known
         self._traffic = dict(self._source.traffic())
+        self._holds = dict(holds_of(self._source))
         log.debug("endpoints now: %s", {n: len(m.endpoints) for n, m in known.items()})
+        self._refreshed.set()  # held requests look again (llmgw/router/_holds.py)
+        self._refreshed = trio.Event()
 
     def slots_changed(self, state: EndpointState) -> None:
         """The engine reported how many requests it runs at once: admission follows."""

@@ -1,7 +1,9 @@
 """`GET /v1/models` and `GET /v1/models/{model}`: what a key may ask for and can get now.
 
-A served name is listed while one of its endpoints answers its metrics; a
-traffic split's name (llmgw/core/_traffic.py) while one of its versions is.
+A served name is listed while one of its endpoints answers its metrics, or while
+it has a hold (llmgw/router/_holds.py: at zero replicas, a request for it starts
+one and is answered); a traffic split's name (llmgw/core/_traffic.py) while one of
+its versions is.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Protocol
 from llmgw.core import TrafficSplit
 from llmgw.keys import ApiKey
 from llmgw.router._fleet import Model
+from llmgw.router._types import Hold
 
 __all__ = ["is_listed", "listed", "model_entry"]
 
@@ -20,6 +23,7 @@ class _Fleet(Protocol):
     def models(self) -> dict[str, Model]: ...
     def traffic(self) -> dict[str, TrafficSplit]: ...
     def serving(self, names: Iterable[str] | None = None) -> set[str]: ...
+    def holds(self) -> dict[str, Hold]: ...
 
 
 def model_entry(name: str) -> dict[str, Any]:
@@ -27,7 +31,7 @@ def model_entry(name: str) -> dict[str, Any]:
 
 
 def _names(fleet: _Fleet) -> set[str]:
-    serving = fleet.serving()
+    serving = fleet.serving() | (fleet.holds().keys() & fleet.models().keys())
     splits = {
         name for name, t in fleet.traffic().items() if any(v.served in serving for v in t.versions)
     }

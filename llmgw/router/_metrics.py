@@ -16,7 +16,7 @@ client cannot grow the label set by asking for made-up models.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -61,9 +61,16 @@ WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0
 
 class RouterMetrics:
     def __init__(
-        self, registry: CollectorRegistry, fleet: FleetView, budgets: BudgetView | None = None
+        self,
+        registry: CollectorRegistry,
+        fleet: FleetView,
+        budgets: BudgetView | None = None,
+        *,
+        held: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
-        """`budgets`: the router's tenant budgets (their gauges and counters)."""
+        """`budgets`: the router's tenant budgets (their gauges and counters); `held`:
+        the requests held at zero replicas by model (llmgw/router/_holds.py), read at
+        scrape time."""
         self.registry = registry
         self.requests = Counter(
             "llmgw_router_requests",
@@ -180,7 +187,16 @@ class RouterMetrics:
             ["tenant", "reason"],
             registry=registry,
         )
+        self.hold_refusals = Counter(
+            "llmgw_router_hold_refused",
+            "Requests for a model at zero replicas that its hold answered 503: full (hold_max "
+            "already held) or timeout (held hold_s with no replica ready)",
+            ["model", "reason"],
+            registry=registry,
+        )
         registry.register(_StateCollector(fleet))
+        if held is not None:
+            registry.register(_HeldCollector(held))
         if budgets is not None:
             registry.register(BudgetCollector(budgets))
         self._tenant: dict[str, tuple[Any, Any, Any]] = {}
@@ -218,6 +234,9 @@ class RouterMetrics:
 
     def refused(self, model: str, band: str, reason: str) -> None:
         self.refusals.labels(model, band, reason).inc()
+
+    def hold_refused(self, model: str, reason: str) -> None:
+        self.hold_refusals.labels(model, reason).inc()
 
     def traffic_routed(self, split: str, version: str, how: str) -> None:
         """A request for `split` goes to `version` (names from server.yaml only)."""
@@ -265,6 +284,24 @@ class RouterMetrics:
             self.prompt_tokens.labels(model).inc(prompt)
         if completion is not None:
             self.completion_tokens.labels(model).inc(completion)
+
+
+class _HeldCollector(Collector):
+    """The requests held at zero replicas, read at scrape time."""
+
+    def __init__(self, held: Callable[[], Mapping[str, int]]) -> None:
+        self._held = held
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "llmgw_router_held",
+            "Requests held for a model at zero replicas until its first is ready (every "
+            "model with a hold; llmgw/router/_holds.py)",
+            labels=["model"],
+        )
+        for model, n in sorted(self._held().items()):
+            family.add_metric([model], n)
+        yield family
 
 
 def _per_endpoint(name: str, documentation: str) -> GaugeMetricFamily:

@@ -59,6 +59,8 @@ class Record:
     responded: bool = False  # the head has gone to the client: an error now is too late
     complete: bool = False  # the last byte is being sent: a disconnect now is no news
     client_gone: bool = False
+    # The listener's: when the request arrived (the trio clock; None: not noted).
+    arrived: float | None = None
     # The attempt loop's: time to the first streamed chunk, and the relayed answer's
     # usage (None: not said).
     ttft: float | None = None

@@ -4,12 +4,15 @@ Per request, in this module: parse the route and the body (llmgw/router/_surface
 -> authenticate (the key cache, no store round trip) -> a traffic split's name to
 one version (llmgw/router/_traffic.py, llmgw/core/_traffic.py) -> model known (404) and
 allowed for the key (403) -> priority band (header `X-LLMGW-Priority`, else the
-key's default, capped at the key's highest band) and the tenant's limits ->
-admission (concurrency limit and queue per model, llmgw/core/_admission.py) ->
+key's default, capped at the key's highest band) and the tenant's limits -> a model
+with no replica: held while its first starts when its source holds it
+(llmgw/router/_holds.py), else 503 -> admission (concurrency limit and queue per
+model, llmgw/core/_admission.py) ->
 the attempt loop (llmgw/router/_attempt.py: choose an endpoint from the fleet
 view, proxy, retry on another endpoint only while nothing has reached the
 client, pass status, headers and body chunks through as they arrive) ->
-release everything, and count what the request's record says.
+release everything, and count what the request's record says. The load signals the
+autoscaler reads (`loads()`) are counted on the way (llmgw/router/_load.py).
 
 Around it: the configuration (_config.py), one request's record (_record.py),
 the fleet view (_fleet.py: models, endpoints, queues, its frozen snapshot),
@@ -33,7 +36,16 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry
 
-from llmgw.core import Band, Queued, Reject, ResumePlan, ScoringConfig, chain, resume_plan
+from llmgw.core import (
+    Band,
+    Queued,
+    Reject,
+    ResumePlan,
+    RouterLoad,
+    ScoringConfig,
+    chain,
+    resume_plan,
+)
 from llmgw.errors import LlmgwError
 from llmgw.keys import ApiKey
 from llmgw.router import _listing, _request_id, _server, _surface
@@ -45,8 +57,10 @@ from llmgw.router._config import MAX_WORKERS as MAX_WORKERS
 from llmgw.router._config import RouterConfig
 from llmgw.router._explain import EXPLAIN_HEADER, AdminKey, explanation
 from llmgw.router._fleet import Fleet, Model
+from llmgw.router._holds import Holds
 from llmgw.router._keys import CachedKeys, KeyStore
 from llmgw.router._leases import BudgetSource, TenantAdmission
+from llmgw.router._load import LoadCounters
 from llmgw.router._metering import ask_usage
 from llmgw.router._metrics import RouterMetrics
 from llmgw.router._record import Ask, Prompt, Record
@@ -125,7 +139,17 @@ class Router:
         self._ids = itertools.count(1)
         self.fleet = Fleet(config, endpoints, worker=worker, rng=rng)
         self.metrics_registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = RouterMetrics(self.metrics_registry, self.fleet, self.tenants)
+        self.load = LoadCounters()  # the autoscaler's signals (`loads()`)
+        self.holds = Holds(
+            self.fleet,
+            self.load,
+            lambda model, reason: self.metrics.hold_refused(model, reason),
+            worker=worker,
+            workers=config.workers,
+        )
+        self.metrics = RouterMetrics(
+            self.metrics_registry, self.fleet, self.tenants, held=self.holds.statistics
+        )
         self._versions = Versions(self.fleet, self.metrics)
         self._bands = Bands(config.bands, self.tenants.admit, self.metrics.tenant_refused)
         self._attempts = Attempts(
@@ -137,6 +161,7 @@ class Router:
                 first_byte_s=config.first_byte_timeout_s,
                 idle_s=config.idle_timeout_s,
             ),
+            load=self.load,
         )
         states = self.fleet.endpoint_states
         self.scraper = Scraper(
@@ -163,6 +188,11 @@ class Router:
 
     def models(self) -> dict[str, Model]:
         return self.fleet.models()
+
+    def loads(self) -> dict[str, RouterLoad]:
+        """This router's load per served model the view lists (zeros included), for the
+        autoscaler (llmgw/router/_load.py); reads only, cheap enough for every 200 ms."""
+        return self.load.loads(self.fleet.listed(), self.holds.held())
 
     def endpoint_states(self) -> dict[str, EndpointState]:
         return self.fleet.endpoint_states()
@@ -266,7 +296,7 @@ class Router:
         send = _request_id.tagged(send, rid, self._worker_headers)
         rid_token = _request_id.CURRENT.set(rid)
         route = _surface.ROUTES.get(path)
-        record = Record()
+        record = Record(arrived=trio.current_time())
         if route is not None:
             record.errors = route.errors
         start = time.perf_counter()
@@ -342,32 +372,6 @@ class Router:
             raise _surface.invalid_key()
         return key
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.config.max_body_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > limit:
-                    raise _surface.too_large(limit)
-                break
-        chunks = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise _surface.too_large(limit)
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
     def _prompt(self, path: str, request: dict[str, Any]) -> Prompt | None:
         text = _surface.prompt_bytes(path, request)
         if text is None:
@@ -383,7 +387,7 @@ class Router:
             self._admin.check(scope["headers"])
         else:
             key = await self._authenticate(scope)
-        body = await self._read_body(scope, receive)
+        body = await _read_body(scope, receive, self.config.max_body_bytes)
         path = scope["path"]
         content_type = _surface.JSON_CONTENT_TYPE
         prompt: Prompt | None = None
@@ -434,8 +438,6 @@ class Router:
         record.band = band.name
         await self._bands.admit_tenant(key, band)
         record.tenant, record.key_id = key.tenant, key.key_id
-        if not model.endpoints:
-            raise _surface.no_replica(name)
         ask = Ask(path, body, content_type, stream, prompt, affinity, usage_body, resume)
         if _server.EXTENSION in scope.get("extensions", ()):
             # The server cancels this task when the client leaves: no watcher needed.
@@ -460,19 +462,24 @@ class Router:
     async def _admitted(
         self, model: Model, tenant: str, band: Band, ask: Ask, send: Send, record: Record
     ) -> None:
-        """Admission (429 on a full queue or a queue timeout), then the attempt loop."""
+        """A model with no replica held (or 503), admission (429 on a full queue or a
+        queue timeout), then the attempt loop."""
+        if not model.endpoints:
+            model = await self.holds.ready(model)
         adm = model.admission
         req_id = str(next(self._ids))
         now = trio.current_time()
         decision = adm.request(req_id, tenant, band.name, now)
         if type(decision) is Reject:
             self.metrics.refused(model.name, band.name, "queue_full")
+            self.load.rejected(model.name)
             raise _surface.over_capacity(decision.reason, decision.retry_after_s)
         try:
             if type(decision) is Queued:
                 retry_after = await self.fleet.wait(model, req_id, band, decision)
                 if retry_after is not None:
                     self.metrics.refused(model.name, band.name, "queue_timeout")
+                    self.load.rejected(model.name)
                     self.metrics.queue_wait(model.name, band.name, trio.current_time() - now)
                     raise _surface.queue_timed_out(
                         band.name, band.queue_timeout_s, model.name, retry_after
@@ -481,6 +488,32 @@ class Router:
             await self._attempts.run(model, ask, send, record)
         finally:
             self.fleet.wake(adm.withdraw(req_id, trio.current_time()))
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                declared = 0
+            if declared > limit:
+                raise _surface.too_large(limit)
+            break
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _surface.too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

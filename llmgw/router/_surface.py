@@ -458,6 +458,20 @@ def no_replica(model: str, *, reachable: bool = False) -> HttpError:
     )
 
 
+def not_started(model: str, detail: str, retry_after_s: float) -> HttpError:
+    """A request for a model at zero replicas that its hold did not keep (full, or held
+    its longest): 503 with Retry-After, as for no replica (the same code)."""
+    seconds = max(1, math.ceil(retry_after_s))
+    return HttpError(
+        503,
+        f"the model {model!r} is not available yet: its first replica is starting and "
+        f"{detail}; retry after {seconds} s",
+        type="service_unavailable",
+        code="no_ready_replica",
+        headers=((b"retry-after", b"%d" % seconds),),
+    )
+
+
 UpstreamKind = Literal["connect", "timeout", "failed"]
 
 

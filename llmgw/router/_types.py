@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -33,6 +34,61 @@ class Endpoint:
         return f"{host}:{self.port}"
 
 
+def _hold_max(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"a hold's max must be a number of requests, 1 or more, not {value!r}")
+
+
+def _hold_s(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"a hold's s must be a number of seconds above 0, not {value!r}")
+
+
+@attrs.frozen
+class Hold:
+    """How requests for a model with no ready replica wait for one (its replicas are
+    scaled to zero and the first is starting): at most `max` held at once over the
+    router's workers (each its `share()`), each at most `s` seconds; past either bound,
+    503 with Retry-After at once (llmgw/router/_holds.py)."""
+
+    max: int = attrs.field(validator=_hold_max)
+    s: float = attrs.field(validator=_hold_s)
+
+
+def holds_of(source: object) -> Mapping[str, Hold]:
+    """The source's holds by served name (`holds()` is optional: none without it)."""
+    holds = getattr(source, "holds", None)
+    return holds() if holds is not None else {}
+
+
+def encode_holds(holds: Mapping[str, Hold]) -> dict[str, dict[str, float]]:
+    """The holds as JSON: {served name: {"max": n, "s": seconds}} (sorted)."""
+    return {name: {"max": h.max, "s": h.s} for name, h in sorted(holds.items())}
+
+
+def decode_holds(value: object) -> dict[str, Hold]:
+    """`encode_holds`' value back (None, from a sender before holds: none); raises
+    ValueError naming what is wrong (the store is shared: nothing in it is trusted)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f'holds: expected {{name: {{"max": n, "s": seconds}}}}, not {value!r:.80}')
+    out: dict[str, Hold] = {}
+    for name, hold in value.items():
+        if not isinstance(name, str) or not isinstance(hold, dict) or set(hold) != {"max", "s"}:
+            raise ValueError(f'holds: {str(name)[:60]!r}: expected {{"max": n, "s": seconds}}')
+        try:
+            out[name] = Hold(hold["max"], hold["s"])
+        except ValueError as exc:
+            raise ValueError(f"holds: {name[:60]!r}: {exc}") from None
+    return out
+
+
 class EndpointSource(Protocol):
     """The router's view of the fleet.
 
@@ -44,6 +100,10 @@ class EndpointSource(Protocol):
 
     `traffic()` maps each split name (server.yaml `traffic:`) to its versions, each
     listed in the snapshot under its served name (llmgw/core/_traffic.py).
+
+    Optionally, `holds()` maps served names to a `Hold`: a request for one with no
+    endpoint waits for its first instead of a 503 at once (read with `holds_of`;
+    `version` moves when they change too).
     """
 
     @property
@@ -62,11 +122,13 @@ class StaticEndpoints:
         endpoints: Iterable[Endpoint] = (),
         models: Iterable[str] = (),
         traffic: Iterable[TrafficSplit] = (),
+        holds: Mapping[str, Hold] | None = None,
     ) -> None:
         self._version = 0
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
         self._traffic: dict[str, TrafficSplit] = {}
-        self.replace(endpoints, models, traffic)
+        self._holds: dict[str, Hold] = {}
+        self.replace(endpoints, models, traffic, holds)
 
     def __repr__(self) -> str:
         sizes = {m: len(e) for m, e in self._snapshot.items()}
@@ -82,14 +144,19 @@ class StaticEndpoints:
     def traffic(self) -> Mapping[str, TrafficSplit]:
         return self._traffic
 
+    def holds(self) -> Mapping[str, Hold]:
+        return self._holds
+
     def replace(
         self,
         endpoints: Iterable[Endpoint],
         models: Iterable[str] = (),
         traffic: Iterable[TrafficSplit] = (),
+        holds: Mapping[str, Hold] | None = None,
     ) -> None:
         """Swap the list; `models` names served names to keep known with no endpoint,
-        `traffic` the splits over them."""
+        `traffic` the splits over them, `holds` how requests for one with no endpoint
+        wait (none: 503 at once)."""
         snap: dict[str, list[Endpoint]] = {m: [] for m in models}
         seen: set[str] = set()
         for ep in endpoints:
@@ -99,4 +166,5 @@ class StaticEndpoints:
             snap.setdefault(ep.model, []).append(ep)
         self._snapshot = {m: tuple(eps) for m, eps in snap.items()}
         self._traffic = {t.name: t for t in traffic}
+        self._holds = dict(holds or {})
         self._version += 1

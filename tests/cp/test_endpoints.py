@@ -12,7 +12,7 @@ from llmgw.cp._fleet._catalog import Catalog, parse
 from llmgw.cp._fleet._endpoints import FleetEndpoints, endpoint_id
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.cp._fleet._wake import Wakeup
-from llmgw.router._types import Endpoint
+from llmgw.router._types import Endpoint, Hold
 
 POLICY = core.LivenessPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3, lost_after_s=5.0)
 
@@ -146,3 +146,41 @@ async def test_a_register_storm_does_not_walk_the_fleet_per_registration() -> No
     assert walks == 0
     assert len(fleet.snapshot()["chat"]) == 50 and walks == 1
     assert fleet.version == 1 and len(fleet.snapshot()["embed"]) == 0 and walks == 1
+
+
+def test_a_model_the_autoscaler_may_take_to_zero_has_a_hold_on_each_served_name() -> None:
+    cpu = [{"engine": "llama-server", "gpus_per_node": 0}]
+    scaled = parse(
+        {
+            "models": [
+                {
+                    "name": "chat",
+                    "source": "/m/chat.gguf",
+                    "served_names": ["chat", "chat-v2"],
+                    "autoscale": {"min": 0, "max": 4, "hold_max": 16, "hold_s": 90},
+                    "profiles": cpu,
+                },
+                # Defaults: the core policy's (llmgw/core/_autoscale.py).
+                {"name": "code", "source": "/m/code.gguf", "autoscale": {"max": 2},
+                 "profiles": cpu},
+                # Never below one replica: nothing to hold for.
+                {"name": "embed", "source": "/m/embed.gguf", "autoscale": {"min": 1, "max": 3},
+                 "profiles": cpu},
+                {"name": "fixed", "source": "/m/fixed.gguf", "profiles": cpu},
+            ]
+        },
+        "server.yaml",
+    )  # fmt: skip
+    current = [catalog()]
+    fleet = FleetEndpoints(NodeRegistry(POLICY), lambda: current[0])
+    assert fleet.holds() == {}  # no model autoscales
+    v = fleet.version
+    current[0] = scaled
+    fleet.refresh()
+    defaults = core.AutoscalePolicy()
+    assert dict(fleet.holds()) == {
+        "chat": Hold(16, 90.0),
+        "chat-v2": Hold(16, 90.0),
+        "code": Hold(defaults.hold_max, defaults.hold_s),
+    }
+    assert fleet.version > v  # the router re-reads: its holds changed

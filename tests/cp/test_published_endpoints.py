@@ -15,8 +15,10 @@ from llmgw.cp._fleet._endpoints import (
     PublishedEndpoints,
     RoleEndpoints,
     decode_endpoints,
+    decode_published,
     encode_endpoints,
 )
+from llmgw.router import Hold, decode_holds
 from llmgw.router._types import Endpoint, StaticEndpoints
 from llmgw.store import open_store
 
@@ -147,3 +149,76 @@ async def test_a_deposed_leader_routes_to_what_it_knew_until_the_store_answers()
     v = role.version
     await published.read_once()  # the new leader's list replaces it
     assert role.version > v and role.snapshot() == {"m": (theirs,)}
+
+
+def test_holds_round_trip_through_the_published_list() -> None:
+    ep = Endpoint("r1@n1", "m", "vllm", "h", 1)
+    holds = {"m": Hold(8, 120.0), "z": Hold(1, 0.5)}
+    body = encode_endpoints({"m": (ep,)}, {}, holds)
+    assert decode_published(body) == ({"m": (ep,)}, {}, holds)
+    # A leader from before the holds published none: none.
+    assert decode_published(json.dumps({"models": {}}))[2] == {}
+
+
+@pytest.mark.parametrize(
+    ("holds", "match"),
+    [
+        ([], "expected"),
+        ({"m": [8, 120]}, "expected"),
+        ({"m": {"max": 8}}, "expected"),
+        ({"m": {"max": 8, "s": 1, "x": 1}}, "expected"),
+        ({"m": {"max": 0, "s": 1}}, "'m': a hold's max must be a number of requests, 1 or more, not 0"),
+        ({"m": {"max": True, "s": 1}}, "not True"),
+        ({"m": {"max": 2.5, "s": 1}}, "not 2.5"),
+        ({"m": {"max": "8", "s": 1}}, "not '8'"),
+        ({"m": {"max": 8, "s": 0}}, "s must be a number of seconds above 0, not 0"),
+        ({"m": {"max": 8, "s": -1}}, "not -1"),
+        ({"m": {"max": 8, "s": "60"}}, "not '60'"),
+        ({"m": {"max": 8, "s": None}}, "not None"),
+    ],
+)  # fmt: skip
+def test_malformed_holds_are_refused_naming_what(holds: object, match: str) -> None:
+    text = json.dumps({"models": {}, "holds": holds})
+    with pytest.raises(ValueError, match=match):
+        decode_published(text)
+    with pytest.raises(ValueError, match=match):
+        decode_holds(holds)
+
+
+def test_infinite_hold_seconds_are_refused() -> None:
+    with pytest.raises(ValueError, match="not inf"):
+        decode_published('{"models": {}, "holds": {"m": {"max": 1, "s": Infinity}}}')
+
+
+async def test_a_standby_holds_as_the_leader_does(tmp_path: Path) -> None:
+    """The leader's holds reach a standby's router through the store, and a role switch
+    hands the router the holds of the list it then routes by."""
+    store = await open_store(tmp_path)
+    try:
+        lease = await store.try_acquire("cp-a", 30)
+        assert lease is not None
+        fleet = StaticEndpoints([], ["cold"], holds={"cold": Hold(8, 60.0)})
+        publisher = EndpointPublisher(store, fleet, lambda: True, lambda: lease.epoch, every_s=0.05)
+        published = PublishedEndpoints(store, every_s=0.05)
+        leading = False
+        role = RoleEndpoints(StaticEndpoints(), published, lambda: leading)
+        assert role.holds() == {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publisher.run)
+            nursery.start_soon(published.run)
+            v = role.version
+            with trio.fail_after(10):
+                while role.holds() != {"cold": Hold(8, 60.0)}:
+                    await trio.sleep(0.02)
+            assert role.version > v
+            nursery.cancel_scope.cancel()
+        mine = StaticEndpoints([], ["cold"], holds={"cold": Hold(2, 5.0)})
+        own = RoleEndpoints(mine, published, lambda: leading)
+        assert own.holds() == {"cold": Hold(8, 60.0)}  # a standby: the published ones
+        leading = True
+        assert own.holds() == {"cold": Hold(2, 5.0)}  # leading: its own catalog's
+        v = own.version
+        mine.replace([], ["cold"])  # the catalog no longer scales it to zero
+        assert own.version > v and own.holds() == {}
+    finally:
+        await store.aclose()

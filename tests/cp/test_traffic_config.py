@@ -155,7 +155,7 @@ async def test_a_standby_routes_with_the_splits_the_leader_published() -> None:
     split = core.TrafficSplit("qwen", (core.TrafficVersion("qwen-v1", "qwen-v1", 1),))
     ep = Endpoint("r1@n1", "qwen-v1", "vllm", "10.0.0.1", 8100)
     body = encode_endpoints({"qwen-v1": (ep,)}, {"qwen": split})
-    assert decode_published(body) == ({"qwen-v1": (ep,)}, {"qwen": split})
+    assert decode_published(body) == ({"qwen-v1": (ep,)}, {"qwen": split}, {})
 
     class Store:
         async def publish_endpoints(self, epoch: int, body_json: str) -> bool:

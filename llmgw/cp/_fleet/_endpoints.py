@@ -10,6 +10,12 @@ then the reconciler names it retiring (`retiring()`), it leaves this list, and
 the router sends it nothing new while its last requests finish. Leaving it
 out from the start of the drain would make a model whose only replica is
 there unservable for as long as the replacement takes to load.
+
+Every served name of a catalog model with `autoscale: {min: 0}` has a hold
+(`holds()`, llmgw/router/_holds.py): at zero replicas, a request for it waits
+for the first replica the autoscaler starts, within the model's `hold_max` and
+`hold_s`, instead of a 503 at once. The holds travel with the list: published
+for a standby's router, and in the view a router worker is sent.
 """
 
 from __future__ import annotations
@@ -28,7 +34,16 @@ from llmgw.cp._fleet._catalog import Catalog
 from llmgw.cp._fleet._handover import Handover
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.errors import LlmgwError
-from llmgw.router import Endpoint, EndpointSource, decode_traffic, encode_traffic
+from llmgw.router import (
+    Endpoint,
+    EndpointSource,
+    Hold,
+    decode_holds,
+    decode_traffic,
+    encode_holds,
+    encode_traffic,
+    holds_of,
+)
 
 log = logging.getLogger("llmgw.cp.endpoints")
 
@@ -56,6 +71,7 @@ class FleetEndpoints:
         self._version = 0
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
         self._traffic: dict[str, core.TrafficSplit] = {}
+        self._holds: dict[str, Hold] = {}
         self._stale = True
 
     def __repr__(self) -> str:
@@ -77,6 +93,12 @@ class FleetEndpoints:
         if self._stale:
             self._recompute()
         return self._traffic
+
+    def holds(self) -> Mapping[str, Hold]:
+        """A hold for every served name of a model the autoscaler may take to zero."""
+        if self._stale:
+            self._recompute()
+        return self._holds
 
     def refresh(self) -> None:
         """Something changed: recompute when the list is next read.
@@ -114,10 +136,26 @@ class FleetEndpoints:
             name: tuple(sorted(eps, key=lambda e: e.endpoint_id)) for name, eps in served.items()
         }
         traffic = {t.name: _served_now(t, catalog) for t in catalog.traffic}
-        if snapshot != self._snapshot or traffic != self._traffic:
+        holds = _holds(catalog)
+        if snapshot != self._snapshot or traffic != self._traffic or holds != self._holds:
             self._snapshot = snapshot
             self._traffic = traffic
+            self._holds = holds
             self._version += 1
+
+
+def _holds(catalog: Catalog) -> dict[str, Hold]:
+    out: dict[str, Hold] = {}
+    for m in catalog.models:
+        if m.autoscale is not None and m.autoscale.min == 0:
+            policy = m.autoscale.policy()
+            try:
+                hold = Hold(policy.hold_max, policy.hold_s)
+            except ValueError as exc:  # the catalog refuses these; never the whole list
+                log.warning("model %s: no hold at zero replicas: %s", m.name, exc)
+                continue
+            out.update((name, hold) for name in m.names)
+    return out
 
 
 def _served_now(split: core.TrafficSplit, catalog: Catalog) -> core.TrafficSplit:
@@ -145,9 +183,11 @@ PUBLISHED_MAX_BYTES = 16 << 20  # a list larger than this is nobody's fleet
 def encode_endpoints(
     snapshot: Mapping[str, tuple[Endpoint, ...]],
     traffic: Mapping[str, core.TrafficSplit] | None = None,
+    holds: Mapping[str, Hold] | None = None,
 ) -> str:
-    """The list as published: {"models": {name: [endpoint, ...]}, "traffic": {...}}
-    (sorted, stable; the splits in `llmgw.router.encode_traffic`'s form)."""
+    """The list as published: {"models": {name: [endpoint, ...]}, "traffic": {...},
+    "holds": {...}} (sorted, stable; the splits and holds in `llmgw.router`'s
+    `encode_traffic` and `encode_holds` forms)."""
     return json.dumps(
         {
             "models": {
@@ -164,6 +204,7 @@ def encode_endpoints(
                 for name, eps in sorted(snapshot.items())
             },
             "traffic": encode_traffic(traffic or {}),
+            "holds": encode_holds(holds or {}),
         },
         sort_keys=True,
     )
@@ -171,11 +212,12 @@ def encode_endpoints(
 
 def decode_published(
     text: str,
-) -> tuple[dict[str, tuple[Endpoint, ...]], dict[str, core.TrafficSplit]]:
-    """The published list and splits back (a leader from before the splits published
-    none); raises ValueError naming what is wrong."""
+) -> tuple[dict[str, tuple[Endpoint, ...]], dict[str, core.TrafficSplit], dict[str, Hold]]:
+    """The published list, splits and holds back (a leader from before the splits or
+    the holds published none); raises ValueError naming what is wrong."""
     models = decode_endpoints(text)
-    return models, decode_traffic(json.loads(text).get("traffic"))
+    data = json.loads(text)
+    return models, decode_traffic(data.get("traffic")), decode_holds(data.get("holds"))
 
 
 def decode_endpoints(text: str) -> dict[str, tuple[Endpoint, ...]]:
@@ -249,8 +291,9 @@ class EndpointPublisher:
             if mark == self._published:
                 continue
             try:
+                src = self._source
                 ok = await self._store.publish_endpoints(
-                    mark[0], encode_endpoints(self._source.snapshot(), self._source.traffic())
+                    mark[0], encode_endpoints(src.snapshot(), src.traffic(), holds_of(src))
                 )
             except LlmgwError as exc:
                 log.warning("publishing the endpoint list failed (retried): %s", exc)
@@ -274,6 +317,7 @@ class PublishedEndpoints:
         self._version = 0
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
         self._traffic: dict[str, core.TrafficSplit] = {}
+        self._holds: dict[str, Hold] = {}
         self._seen: tuple[int, str] | None = None
         self.reading = True  # False while this control plane leads: nothing to read
 
@@ -287,19 +331,19 @@ class PublishedEndpoints:
     def traffic(self) -> Mapping[str, core.TrafficSplit]:
         return self._traffic
 
+    def holds(self) -> Mapping[str, Hold]:
+        return self._holds
+
     def adopt(
         self,
         snapshot: Mapping[str, tuple[Endpoint, ...]],
         traffic: Mapping[str, core.TrafficSplit] | None = None,
+        holds: Mapping[str, Hold] | None = None,
     ) -> None:
         """Start from this list (what this control plane routed to as the leader) until
         the store answers with the leader's: a leader deposed because the store is
         down keeps routing to the engines it knew, instead of to nothing."""
-        traffic = dict(traffic or {})
-        if dict(snapshot) != self._snapshot or traffic != self._traffic:
-            self._snapshot = dict(snapshot)
-            self._traffic = traffic
-            self._version += 1
+        self._set(dict(snapshot), dict(traffic or {}), dict(holds or {}))
         self._seen = None  # the next read replaces it, whatever it holds
 
     async def read_once(self) -> None:
@@ -310,10 +354,16 @@ class PublishedEndpoints:
         if (epoch, body) == self._seen:
             return
         self._seen = (epoch, body)
-        snapshot, traffic = decode_published(body)
-        if snapshot != self._snapshot or traffic != self._traffic:
-            self._snapshot = snapshot
-            self._traffic = traffic
+        self._set(*decode_published(body))
+
+    def _set(
+        self,
+        snapshot: dict[str, tuple[Endpoint, ...]],
+        traffic: dict[str, core.TrafficSplit],
+        holds: dict[str, Hold],
+    ) -> None:
+        if (snapshot, traffic, holds) != (self._snapshot, self._traffic, self._holds):
+            self._snapshot, self._traffic, self._holds = snapshot, traffic, holds
             self._version += 1
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -366,7 +416,7 @@ class RoleEndpoints:
         self._unhealthy = unhealthy
         self.handover_s = handover_s
         self._clock = clock or _now
-        self._mark: tuple[bool, int, int] | None = None
+        self._mark: tuple[bool, int, int, int] | None = None
         self._version = 0
         self._was_leading: bool | None = None
         self.handover: Handover | None = None  # while the new term's view fills
@@ -375,6 +425,7 @@ class RoleEndpoints:
         # on a deposition (PublishedEndpoints.adopt).
         self._last_fleet: Mapping[str, tuple[Endpoint, ...]] | None = None
         self._last_traffic: Mapping[str, core.TrafficSplit] | None = None
+        self._last_holds: Mapping[str, Hold] | None = None
 
     def _current(self) -> EndpointSource:
         leading = self._leading()
@@ -399,11 +450,18 @@ class RoleEndpoints:
         if leading:
             self._last_fleet = src.snapshot()
             self._last_traffic = src.traffic()
+            self._last_holds = holds_of(self._fleet)
         elif self._last_fleet is not None:
-            self._published.adopt(self._last_fleet, self._last_traffic)
-            self._last_fleet = self._last_traffic = None
+            self._published.adopt(self._last_fleet, self._last_traffic, self._last_holds)
+            self._last_fleet = self._last_traffic = self._last_holds = None
         self._published.reading = not leading
-        mark = (leading, self.handovers if self.handover is not None else 0, src.version)
+        # While leading, the holds are the fleet's own (its catalog), handover or not.
+        mark = (
+            leading,
+            self.handovers if self.handover is not None else 0,
+            src.version,
+            self._fleet.version if leading else 0,
+        )
         if mark != self._mark:
             self._mark = mark
             self._version += 1
@@ -419,3 +477,8 @@ class RoleEndpoints:
 
     def traffic(self) -> Mapping[str, core.TrafficSplit]:
         return self._current().traffic()
+
+    def holds(self) -> Mapping[str, Hold]:
+        """The fleet's (its catalog's) while leading, the published ones otherwise."""
+        src = self._current()
+        return holds_of(self._fleet if src is not self._published else src)
