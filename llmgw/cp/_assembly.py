@@ -338,16 +338,11 @@ async def assemble(
             seen.update(hub.quarantined())
         return {replica_of(eid): reason for eid, reason in seen.items()}
 
-    def router_loads() -> dict[str, dict[str, core.RouterLoad]]:
-        """Router id -> served name -> load, for every router of this control plane."""
-        if hub is not None:
-            return hub.loads_by_router()
-        return {"w0": router.loads()}
-
     # Every control plane writes its routers' load; the leader decides
     # (llmgw/cp/_fleet/_autoscaler.py). The reconciler asks it each model's count.
     autoscaler = Autoscaler(
-        lambda: catalog.catalog, router_loads, store, leadership.me.rpc, registry.acting,
+        lambda: catalog.catalog, partial(loads_by_router, router, hub), store,
+        leadership.me.rpc, registry.acting,
         registry.events, poke=plan_again.poke,
     )  # fmt: skip
     reconciler = Reconciler(

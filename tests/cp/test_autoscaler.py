@@ -80,6 +80,7 @@ async def test_every_router_of_every_control_plane_counts_once(tmp_path: Path) -
         # 10 first bytes: 5 in bucket 1, 2 in bucket 3, 3 in bucket 8: p90 is bucket 8's bound
         assert (s.first_bytes, s.ttft_p90_s) == (10, core.TTFT_BOUNDS[8])
         assert s.rejected == 1
+        assert leader.scales()[0].routers == 3  # w0, w1-4242, and the standby's w0
         # Demand 11 for a target of 2 per replica, at zero: raised, and said.
         m = CATALOG.model("tiny")
         assert m is not None

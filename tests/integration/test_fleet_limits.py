@@ -5,6 +5,11 @@ per connection) their four workers. Over two whole wall-clock minutes (the limit
 windows), each minute's 200s are 600 +- 5 %; before budgets were leased from the store,
 each control plane admitted the whole limit (all 900 here).
 
+The same fleet shows the autoscaler's signals summed over every router (issue 25):
+`tiny` autoscales between 1 and 1 (the count holds), and while the load runs the
+leader's sample sums four routers, the standby's two workers among them, and the
+requests in flight there.
+
 Cheap for what it shows: fake engines (llmgw/testing/fake_engine.py) answer at once,
 a refused request is a 429 the router writes itself, and the setup overlaps the wait
 for the first whole minute.
@@ -15,10 +20,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -36,7 +43,7 @@ _WORKER = re.compile(r"(\d+); pid=(\d+)")
 TINY = {
     "name": "tiny",
     "source": "llmgw-test/tiny",  # a hub id: the fake engine reads no weights
-    "replicas": 1,
+    "autoscale": {"min": 1, "max": 1},
     "profiles": [{"engine": "llama-server", "gpus_per_node": 0, "startup_timeout_s": 30}],
 }
 
@@ -134,9 +141,24 @@ def test_two_control_planes_with_two_workers_each_hold_one_tenants_rpm(
     # (its end, too early to count, shows nothing carries over from it).
     first = math.ceil(time.time() / 60) * 60
     refusals: list[tuple[str, int]] = []
-    results = trio.run(
-        send_all, [cp1.router_port, cp2.router_port], key, time.time(), first + 120, refusals
-    )
+    loads: list[dict[str, Any]] = []
+    done = threading.Event()
+
+    def sample_leader() -> None:  # what the leader's autoscaler sums, once a second
+        while not done.wait(1.0):
+            load = cp1.api_get("/api/v1/autoscale/tiny")["load"]
+            if load is not None:
+                loads.append(load)
+
+    sampler = threading.Thread(target=sample_leader)
+    sampler.start()
+    try:
+        results = trio.run(
+            send_all, [cp1.router_port, cp2.router_port], key, time.time(), first + 120, refusals
+        )
+    finally:
+        done.set()
+        sampler.join(30)
 
     statuses = Counter(status for _, status, _ in results)
     assert set(statuses) <= {200, 429}, statuses
@@ -156,6 +178,9 @@ def test_two_control_planes_with_two_workers_each_hold_one_tenants_rpm(
     assert len(served_by) == 4 and None not in served_by, served_by
     # The 429s say why, and when the next window starts (or, while a lease is on its way
     # to that worker, a second).
+    # The leader's signal summed every router: both of its own and both of the standby's.
+    assert loads and max(x["routers"] for x in loads) == 4, loads[-3:]
+    assert max(x["in_flight"] for x in loads) > 0, loads[-3:]
     assert refusals, "no 429 was answered"
     for message, retry_after in refusals:
         assert message.startswith("tenant team-a: over its 600 requests per minute; retry in")

@@ -40,6 +40,7 @@ def scale_json(s: ModelScale, ready: int | None = None) -> dict[str, Any]:
                 "uncached_tokens": sample.uncached_tokens,
                 "ttft_p90_s": sample.ttft_p90_s,
                 "rejected": sample.rejected,
+                "routers": s.routers,  # every router of every control plane it sums
             }
             if sample is not None
             else None

@@ -69,6 +69,7 @@ class ModelScale:
     decision: core.AutoscaleDecision | None  # the last one; None: none made yet
     paused: tuple[int, str, float] | None  # (count held, who, when) while paused
     sample: core.LoadSample | None  # the newest
+    routers: int = 0  # how many routers (every control plane's, every worker) it sums
 
 
 def encode_loads(loads: Loads) -> str:
@@ -129,6 +130,7 @@ class Autoscaler:
         self._last: dict[tuple[str, str, str], core.RouterLoad] = {}  # (cp, router, name)
         self._others: list[tuple[str, dict[str, dict[str, core.RouterLoad]], float]] = []
         self._paused: dict[str, tuple[int, str, float]] = {}
+        self._routers: dict[str, int] = {}  # model -> routers its last sample summed
         self._was_acting = False
 
     def __repr__(self) -> str:
@@ -156,8 +158,11 @@ class Autoscaler:
             samples = self._samples.get(m.name)
             newest = samples[-1] if samples else None
             decision, paused = self._decisions.get(m.name), self._paused.get(m.name)
+            routers = self._routers.get(m.name, 0)
             out.append(
-                ModelScale(m.name, m.autoscale.policy(), self.count(m), decision, paused, newest)
+                ModelScale(
+                    m.name, m.autoscale.policy(), self.count(m), decision, paused, newest, routers
+                )
             )
         return out
 
@@ -258,12 +263,14 @@ class Autoscaler:
         routers += [(cp, loads) for cp, loads, at in self._others if at >= fresh]
         grown: list[dict[str, core.RouterLoad]] = []
         seen: set[tuple[str, str, str]] = set()
+        reporting: dict[str, set[tuple[str, str]]] = {}  # served name -> routers
         for cp, loads in routers:
             for rid, models in loads.items():
                 one = {}
                 for name, load in models.items():
                     key = (cp, rid, name)
                     seen.add(key)
+                    reporting.setdefault(name, set()).add((cp, rid))
                     one[name] = core.grown(self._last.get(key), load)
                     self._last[key] = load
                 grown.append(one)
@@ -274,6 +281,7 @@ class Autoscaler:
             if m.autoscale is None:
                 continue
             parts = [by_name[n] for n in m.names if n in by_name]
+            self._routers[m.name] = len(set().union(*(reporting.get(n, set()) for n in m.names)))
             policy = m.autoscale.policy()
             samples = self._samples.setdefault(m.name, deque())
             if parts:
