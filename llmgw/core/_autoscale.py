@@ -214,6 +214,10 @@ class _Want:
     signal: str
 
 
+def _at(s: LoadSample) -> float:
+    return s.at
+
+
 def _num(x: float) -> str:
     return f"{x:g}"
 
@@ -371,7 +375,9 @@ def autoscale(
         )
         return AutoscaleDecision(desired, new_state, rule, signal, f"{words}: {signal}{tail}")
 
-    window = [s for s in samples if now - policy.window_s <= s.at <= now]
+    # Sorted here too: the latest sample is the one from zero reads, the first the one a
+    # spell asking for fewer counts from.
+    window = sorted((s for s in samples if now - policy.window_s <= s.at <= now), key=_at)
     if not window:
         signal = f"no signal over {_num(policy.window_s)} s (absent is not zero)"
         if cur < lo:
