@@ -387,7 +387,7 @@ def autoscale(
             return decided(hi, "max", signal, f"lowered {cur} -> {hi} (max)", low_since=None)
         return decided(cur, "steady", signal, f"kept {cur}", low_since=None)
     span = max(policy.window_s, policy.trend_window_s)
-    history = [s for s in samples if now - span <= s.at <= now]
+    history = sorted((s for s in samples if now - span <= s.at <= now), key=_at)
     reading = _read(policy, window, history, state)
     top = max(reading.wants, key=lambda want: want.count, default=None)
     latest = window[-1]

@@ -34,10 +34,16 @@ from llmgw.core import (
 from llmgw.core._autoscale import DOWN_MARGIN
 
 
-def load(at: float, queued: int = 0, in_flight: int = 0, **kw: object) -> LoadSample:
-    fields: dict[str, object] = {"ttft_p90_s": None, "rejected": 0, "uncached_tokens": 0}
-    fields.update(kw)
-    return LoadSample(at=at, queued=queued, in_flight=in_flight, **fields)  # type: ignore[arg-type]
+def load(
+    at: float,
+    queued: int = 0,
+    in_flight: int = 0,
+    *,
+    ttft_p90_s: float | None = None,
+    rejected: int = 0,
+    first_bytes: int = 0,
+) -> LoadSample:
+    return LoadSample(at, queued, in_flight, 0, ttft_p90_s, rejected, first_bytes)
 
 
 def steady(policy: AutoscalePolicy, demand: int, desired: int, now: float = 100.0, **kw):
@@ -57,7 +63,7 @@ def clamp(policy: AutoscalePolicy, n: int) -> int:
 
 
 @st.composite
-def policies(draw, *, demand_target: bool | None = None, trend: bool = True) -> AutoscalePolicy:
+def policies(draw, *, demand_target: bool | None = None) -> AutoscalePolicy:
     lo = draw(st.integers(0, 4))
     hi = draw(st.integers(max(lo, 1), lo + 12))
     with_rpp = draw(st.booleans()) if demand_target is None else demand_target
@@ -73,7 +79,7 @@ def policies(draw, *, demand_target: bool | None = None, trend: bool = True) -> 
         max_step_up=draw(st.integers(1, 8)),
         up_cooldown_s=draw(st.sampled_from([0.0, 5.0, 10.0, 30.0])),
         down_cooldown_s=draw(st.sampled_from([0.0, 10.0, 30.0])),
-        predict_s=draw(st.sampled_from([0.0, 30.0, 60.0])) if trend else 0.0,
+        predict_s=draw(st.sampled_from([0.0, 30.0, 60.0])),
         trend_window_s=draw(st.sampled_from([0.0, 60.0, 120.0])),
     )
 
@@ -129,6 +135,16 @@ def test_never_outside_min_and_max_and_every_decision_says_why(
     # One replica fewer per decision, except a max the operator lowered.
     if d.desired < state.desired and state.desired <= policy.max:
         assert d.desired == state.desired - 1 and d.rule == "scale-down"
+
+
+@given(policies(), sample_lists(), states(), st.randoms())
+def test_the_order_the_samples_come_in_does_not_matter(
+    policy: AutoscalePolicy, samples: list[LoadSample], state: AutoscaleState, rng
+) -> None:
+    unique = list({s.at: s for s in samples}.values())
+    shuffled = unique[:]
+    rng.shuffle(shuffled)
+    assert autoscale(policy, shuffled, state, 200.0) == autoscale(policy, unique, state, 200.0)
 
 
 @settings(max_examples=300)

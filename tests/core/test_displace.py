@@ -179,7 +179,8 @@ def test_lowest_priority_first_then_most_cards() -> None:
         Holder("p0-small", "p0", 0, True, 5, 4),
         Holder("p0-big", "p0", 0, True, 5, 8),
     )
-    assert displace("x", 5, 1, 0, fleet.holders, fleet.fits).victims == ("p0-big",)  # type: ignore[union-attr]
+    result = displace("x", 5, 1, 0, fleet.holders, fleet.fits)
+    assert result is not None and result.victims == ("p0-big",)
 
 
 def test_no_room_names_the_holder_and_why_it_may_not_give_up_its_cards() -> None:
