@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/install.py
 	$(BIN)/python bench/failover.py
 	$(BIN)/python bench/rollout.py
+	$(BIN)/python bench/autoscale.py
 
 clean:
 	rm -rf $(VENV) demo-state dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

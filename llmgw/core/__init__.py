@@ -10,7 +10,13 @@ from llmgw.core._attempt import (
     head_outcome,
 )
 from llmgw.core._autoscale import RULES as AUTOSCALE_RULES
-from llmgw.core._autoscale import AutoscaleDecision, AutoscalePolicy, AutoscaleState
+from llmgw.core._autoscale import (
+    AutoscaleDecision,
+    AutoscalePolicy,
+    AutoscaleState,
+    autoscale,
+    validate_policy,
+)
 from llmgw.core._backoff import Backoff, BackoffPolicy, backoff_failure, backoff_settled
 from llmgw.core._breaker import Breaker, BreakerConfig, BreakerEvent, BreakerState
 from llmgw.core._budget import (
@@ -35,6 +41,7 @@ from llmgw.core._continuation import (
     prefill_echo,
     resume_plan,
 )
+from llmgw.core._displace import Displacement, Holder, displace, no_room
 from llmgw.core._drain import DrainDecision, DrainingReplica, DrainInput, drain_model
 from llmgw.core._estimates import EngineReport, Estimates, learn, learn_pace
 from llmgw.core._facts import (
@@ -220,6 +227,7 @@ __all__ = [
     "ContinuationRefusal",
     "Decision",
     "DesiredModel",
+    "Displacement",
     "DrainDecision",
     "DrainInput",
     "DrainingReplica",
@@ -231,6 +239,7 @@ __all__ = [
     "GpuFacts",
     "HealthRun",
     "HeartbeatSeen",
+    "Holder",
     "InFlight",
     "InvalidShardTransition",
     "Learned",
@@ -295,6 +304,7 @@ __all__ = [
     "XidLine",
     "allocations",
     "attempt_verdict",
+    "autoscale",
     "backoff_failure",
     "backoff_settled",
     "bytes_text",
@@ -307,6 +317,7 @@ __all__ = [
     "continuation_body",
     "decayed_rate",
     "decide",
+    "displace",
     "drain_input",
     "drain_model",
     "ecc_fault",
@@ -335,6 +346,7 @@ __all__ = [
     "merge_models",
     "min_lease",
     "next_shard_state",
+    "no_room",
     "node_facts",
     "observed_shards",
     "parse_xid_line",
@@ -361,6 +373,7 @@ __all__ = [
     "uncached",
     "unhealthy_words",
     "unused_lease",
+    "validate_policy",
     "wanted_cache_names",
     "wedged",
     "weights_key",

@@ -144,10 +144,14 @@ def ttft_quantile(buckets: tuple[int, ...], q: float) -> float | None:
     """The `q` quantile of the bucketed TTFTs: the upper bound of the bucket it falls in
     (a quantile in the last, unbounded bucket is reported as twice the last bound); None
     without any count."""
+    if not 0 < q <= 1:
+        raise ValueError(f"a quantile is in (0, 1], not {q}")
     total = sum(buckets)
     if total == 0:
         return None
-    rank = math.ceil(q * total)
+    # The nearest rank, ceil(q x total), less a hair: 0.55 x 100 is 55.00000000000001 in
+    # floating point, and its ceiling 56 would be the wrong rank.
+    rank = max(1, math.ceil(q * total * (1 - 1e-12)))
     seen = 0
     for i, n in enumerate(buckets):
         seen += n
