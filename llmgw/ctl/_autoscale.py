@@ -71,7 +71,10 @@ def format_scale(row: dict[str, Any], *, now: float) -> str:
             f"  paused at {p['replicas']} by {p['by']} {age(now - p['at'])} ago; the load "
             f"would set {'-' if row['decided'] is None else row['decided']}"
         )
-    lines.append(f"  {row['rule'] or '-'}: {row['reason'] or 'no decision yet'}")
+    set_by = row.get("set_by")
+    if set_by is not None:
+        lines.append(f"  set by {set_by['rule']} {age(now - set_by['at'])} ago: {set_by['reason']}")
+    lines.append(f"  now {row['rule'] or '-'}: {row['reason'] or 'no decision yet'}")
     load = row["load"]
     if load is None:
         lines.append("  load: no signal from the routers yet")

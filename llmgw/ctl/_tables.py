@@ -268,7 +268,11 @@ def format_status(models: list[dict[str, Any]], *, now: float) -> str:
             if scale["paused"] is not None:
                 p = scale["paused"]
                 note.append(f"paused at {p['replicas']} by {p['by']} {age(now - p['at'])} ago")
-            note.append(scale["reason"] or "no decision yet (no signal from the routers)")
+            set_by = scale.get("set_by")
+            if set_by is not None:
+                note.append(f"{set_by['reason']} ({age(now - set_by['at'])} ago)")
+            else:
+                note.append(scale["reason"] or "no decision yet (no signal from the routers)")
         if m["unplaced"]:
             note.append(m.get("no_room") or "unplaced")
         failure = m.get("last_failure")

@@ -5,7 +5,11 @@ Every `interval_s` every endpoint is read at once, each reading bounded by
 treats one older than a few intervals as unknown, never as idle. An endpoint
 that misses `unhealthy_after` readings in a row (refused, timed out, 5xx) is
 marked unhealthy and gets no requests until a reading succeeds again; both
-changes are logged with the endpoint and the reason.
+changes are logged with the endpoint and the reason. A reading that times out
+while the endpoint sends bytes to requests (one within the span those misses
+would take) is not a miss: the engine is busy, not gone (a llama-server answers
+/metrics from the loop that generates, so a burst on a fresh replica made it
+"unhealthy" and its model answered 503 while it served).
 
 llama.cpp has no KV gauge; its `/slots` is read for their number, not as one:
 the busy share of its slots is a second, staler copy of `running`, and the
@@ -227,12 +231,13 @@ class Scraper:
                             if self._on_slots is not None:
                                 self._on_slots(state)
         except (UpstreamError, trio.TooSlowError, OSError, _Miss) as exc:
-            reason = (
-                str(exc)
-                if not isinstance(exc, trio.TooSlowError)
-                else (f"no answer within {self.timeout_s:g} s")
-            )
-            self._miss(state, reason)
+            slow = isinstance(exc, trio.TooSlowError)
+            if slow and self._answering(state):
+                # Busy, not gone: a llama-server answers /metrics from the loop that
+                # generates, so a burst delays the reading while its answers flow.
+                log.debug("endpoint %s: reading timed out while it answers", e.endpoint_id)
+                return
+            self._miss(state, f"no answer within {self.timeout_s:g} s" if slow else str(exc))
             return
         now = trio.current_time()
         state.running, state.waiting, state.kv_usage = running, waiting, kv
@@ -250,6 +255,14 @@ class Scraper:
             # Unreachable for a while: likely restarted, its prompt cache empty.
             state.index.forget()
             log.info("endpoint %s (%s) answers again: healthy", e.endpoint_id, e.authority)
+
+    def _answering(self, state: EndpointState) -> bool:
+        """Bytes came from the endpoint to a request within the span in which the misses
+        that make it unhealthy would be counted."""
+        seen = [f.last_byte_at() for f in state.flights] + [state.byte_at]
+        newest = max((t for t in seen if t is not None), default=None)
+        span = self.unhealthy_after * max(self.interval_s, self.timeout_s)
+        return newest is not None and trio.current_time() - newest <= span
 
     def _miss(self, state: EndpointState, reason: str) -> None:
         e = state.endpoint

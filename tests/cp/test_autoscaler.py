@@ -107,7 +107,7 @@ def test_rows_round_trip_and_bad_ones_are_refused_naming_what() -> None:
     for bad, words in (
         ("[]", "expected {router id"),
         ('{"w0": []}', "expected {model: load}"),
-        ('{"w0": {"m": [1, 2, 3, [0], -1]}}', "ttft must be"),
+        ('{"w0": {"m": [1, 2, 3, [0], 1]}}', "ttft must be"),
         ('{"w0": {"m": [1, -2, 3, [0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0], 0]}}', "non-negative"),
     ):
         try:

@@ -28,6 +28,12 @@ def scale_json(s: ModelScale, ready: int | None = None) -> dict[str, Any]:
         "signal": d.signal if d is not None else None,
         "reason": d.reason if d is not None else None,
         "decided": d.desired if d is not None else None,  # what it would be, paused or not
+        # the decision that last changed the count here: what set it (null: none yet)
+        "set_by": (
+            {"rule": s.changed[0].rule, "reason": s.changed[0].reason, "at": s.changed[1]}
+            if s.changed is not None
+            else None
+        ),
         "paused": (
             {"replicas": s.paused[0], "by": s.paused[1], "at": s.paused[2]}
             if s.paused is not None

@@ -70,6 +70,8 @@ class ModelScale:
     paused: tuple[int, str, float] | None  # (count held, who, when) while paused
     sample: core.LoadSample | None  # the newest
     routers: int = 0  # how many routers (every control plane's, every worker) it sums
+    # The decision that last changed the count, and when (wall clock): what set it.
+    changed: tuple[core.AutoscaleDecision, float] | None = None
 
 
 def encode_loads(loads: Loads) -> str:
@@ -131,6 +133,7 @@ class Autoscaler:
         self._others: list[tuple[str, dict[str, dict[str, core.RouterLoad]], float]] = []
         self._paused: dict[str, tuple[int, str, float]] = {}
         self._routers: dict[str, int] = {}  # model -> routers its last sample summed
+        self._changes: dict[str, tuple[core.AutoscaleDecision, float]] = {}
         self._was_acting = False
 
     def __repr__(self) -> str:
@@ -145,10 +148,13 @@ class Autoscaler:
         if m.name in self._paused:
             return self._paused[m.name][0]
         state = self._state.get(m.name)
-        if state is None:
-            policy = m.autoscale.policy()
-            return min(max(self.live(m.name), policy.min), policy.max)
-        return state.desired
+        return state.desired if state is not None else self._start(m)
+
+    def _start(self, m: CatalogModel) -> int:
+        """Where a model's decisions start (a new leader): what runs, within its range."""
+        assert m.autoscale is not None
+        policy = m.autoscale.policy()
+        return min(max(self.live(m.name), policy.min), policy.max)
 
     def scales(self) -> list[ModelScale]:
         out = []
@@ -158,10 +164,17 @@ class Autoscaler:
             samples = self._samples.get(m.name)
             newest = samples[-1] if samples else None
             decision, paused = self._decisions.get(m.name), self._paused.get(m.name)
-            routers = self._routers.get(m.name, 0)
+            routers, changed = self._routers.get(m.name, 0), self._changes.get(m.name)
             out.append(
                 ModelScale(
-                    m.name, m.autoscale.policy(), self.count(m), decision, paused, newest, routers
+                    m.name,
+                    m.autoscale.policy(),
+                    self.count(m),
+                    decision,
+                    paused,
+                    newest,
+                    routers,
+                    changed,
                 )
             )
         return out
@@ -213,6 +226,7 @@ class Autoscaler:
 
     def _elected(self) -> None:
         self._was_acting = True
+        self._changes.clear()
         self._state.clear()
         self._samples.clear()
         self._last.clear()
@@ -288,7 +302,7 @@ class Autoscaler:
                 samples.append(core.sample(now, core.merge_loads(parts)))
             while samples and samples[0].at < now - policy.window_s:
                 samples.popleft()
-            state = self._state.get(m.name) or core.AutoscaleState(self.count(m))
+            state = self._state.get(m.name) or core.AutoscaleState(self._start(m))
             decision = core.autoscale(policy, list(samples), state, now, ready=None)
             self._state[m.name] = decision.state
             self._decisions[m.name] = decision
@@ -297,6 +311,7 @@ class Autoscaler:
                 self._changed(m.name, state.desired, decision)
         gone = set(self._state) - {m.name for m in self._catalog().models if m.autoscale}
         for name in gone:
+            self._changes.pop(name, None)
             self._state.pop(name, None)
             self._samples.pop(name, None)
             self._decisions.pop(name, None)
@@ -307,5 +322,6 @@ class Autoscaler:
         paused = self._paused.get(name)
         held = f" (paused at {paused[0]} by {paused[1]}: not applied)" if paused else ""
         message = f"{name}: {decision.reason}{held}"
+        self._changes[name] = (decision, self._wall())
         log.info("autoscale %s", message)
         self._events.record(AUTOSCALED, message, model_name=name)

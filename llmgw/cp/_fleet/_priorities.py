@@ -82,7 +82,9 @@ class Priorities:
             wants = count(m)
             done = core.displace(name, m.priority, wants, has.get(name, 0), holders, fits)
             if done is None:
-                self._why[name] = core.no_room(name, wants, has.get(name, 0), holders, fits)
+                self._why[name] = core.no_room(
+                    name, wants, has.get(name, 0), holders, fits, priority=m.priority
+                )
                 continue
             self._victims[name] = done.victims
             self._why[name] = done.reason

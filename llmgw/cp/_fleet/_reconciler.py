@@ -256,17 +256,9 @@ class Reconciler:
             if s.replica_id
             and s.fingerprint not in current.get(s.model_name or "", (s.fingerprint,))
         }
-        # A model with more replicas than it wants retires some (the plan says which):
-        # their in-flight counts are what the retirement waits on.
-        counts = {d.name: d.replicas for d in wanted}
-        by_model: dict[str, set[str]] = {}
-        for s in shards:
-            if s.replica_id and s.model_name in counts:
-                by_model.setdefault(s.model_name, set()).add(s.replica_id)
-        extra = {r for name, ids in by_model.items() if len(ids) > counts[name] for r in ids}
         drain = core.drain_input(shards, self._registry.draining, self._in_flight,
                                  self._retiring.since(), self.drain_timeout_s,
-                                 also=stale | extra,
+                                 also=stale | _too_many(shards, wanted),
                                  replicas=core.gpu_drains(self._registry.records()))  # fmt: skip
         controls = self.rollouts.controls(self._unplaced)
         self.wedged.note(seen, now)
@@ -497,12 +489,27 @@ class Reconciler:
 
     def live(self, model_name: str) -> int:
         """The model's replicas alive in the last plan, with its starts in flight."""
-        alive = sum(
-            1
-            for v in self._last_plan.replicas
-            if v.model_name == model_name and v.state in core.ALIVE_REPLICA_STATES
-        )
-        return alive + sum(1 for p in self._pending.values() if p.model_name == model_name)
+        flying = sum(1 for p in self._pending.values() if p.model_name == model_name)
+        return _alive(self._last_plan, model_name) + flying
+
+
+def _alive(plan: Plan, model_name: str) -> int:
+    return sum(
+        1
+        for v in plan.replicas
+        if v.model_name == model_name and v.state in core.ALIVE_REPLICA_STATES
+    )
+
+
+def _too_many(shards: list[ObservedShard], wanted: list[DesiredModel]) -> set[str]:
+    """Every replica of a model that has more than it wants: the plan retires some, and
+    their in-flight counts are what a retirement waits on."""
+    counts = {d.name: d.replicas for d in wanted}
+    by_model: dict[str, set[str]] = {}
+    for s in shards:
+        if s.replica_id and s.model_name in counts:
+            by_model.setdefault(s.model_name, set()).add(s.replica_id)
+    return {r for name, ids in by_model.items() if len(ids) > counts[name] for r in ids}
 
 
 def _views(
