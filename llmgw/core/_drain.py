@@ -105,32 +105,40 @@ def drain_model(
 
 
 def retire(
-    replica_id: str, ready: bool, drain: DrainInput, now: float, why: str = DRAINING
+    replica_id: str,
+    ready: bool,
+    drain: DrainInput,
+    now: float,
+    why: str = DRAINING,
+    *,
+    replaced: bool = True,
 ) -> DrainDecision:
-    """A replica that may retire (`why` it is replaced): out of the router on the first
-    pass, stopped on a later one at zero in flight or after the timeout; at once when it
-    serves nothing. The rollout rule (llmgw/core/_rollout.py) retires the same way."""
+    """A replica that may retire (`why` it is replaced, or, `replaced` False, no longer
+    needed: a scale-down): out of the router on the first pass, stopped on a later one
+    at zero in flight or after the timeout; at once when it serves nothing. The rollout
+    rule (llmgw/core/_rollout.py) and a scale-down retire the same way."""
+    done = "replaced" if replaced else "not needed"
 
     def decide(stop: bool, reason: str) -> DrainDecision:
         return DrainDecision(replica_id, ReplicaState.RETIRING, stop, f"{why}; {reason}")
 
     since = drain.retiring_since.get(replica_id)
     if not ready:
-        return decide(True, "it was not serving, and is replaced")  # nothing can be in flight
+        return decide(True, f"it was not serving, and is {done}")  # nothing can be in flight
     if since is None:
-        return decide(False, "replaced, so the router sends it nothing new")
+        return decide(False, f"{done}, so the router sends it nothing new")
     flying = drain.in_flight.get(replica_id)
     waited = now - since
     count = "an unknown number of" if flying is None else str(flying)
     if flying == 0:
-        return decide(True, "replaced, and no request is in flight")
+        return decide(True, f"{done}, and no request is in flight")
     if waited >= drain.timeout_s:
         return decide(
             True,
-            f"replaced, and the drain timeout of {drain.timeout_s:g} s passed with {count} "
+            f"{done}, and the drain timeout of {drain.timeout_s:g} s passed with {count} "
             "requests still in flight",
         )
     return decide(
         False,
-        f"replaced, waiting for {count} in-flight requests ({waited:.0f} of {drain.timeout_s:g} s)",
+        f"{done}, waiting for {count} in-flight requests ({waited:.0f} of {drain.timeout_s:g} s)",
     )

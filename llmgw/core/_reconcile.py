@@ -351,7 +351,7 @@ def reconcile(
             for replica_id in sorted(doomed):
                 why = f"{d.name} wants {d.replicas} replicas"
                 ready = views_of[replica_id].state == ReplicaState.READY
-                out = retire(replica_id, ready, drained, now, why)
+                out = retire(replica_id, ready, drained, now, why, replaced=False)
                 if holding and not out.stop:
                     continue  # cut off: keep serving; nothing retires
                 if out.stop:

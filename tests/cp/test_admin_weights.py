@@ -50,6 +50,14 @@ class _Reconciler:
     def statistics(self) -> dict[str, int]:
         return {"passes": 1}
 
+    def count(self, m: Any) -> int:
+        return int(m.replicas)
+
+    class priorities:  # the reconciler's attribute, read as one
+        @staticmethod
+        def why(name: str) -> None:
+            return None
+
 
 class ReclaimingAgent(FakeAgent):
     """Answers reclaim as an agent would for the paths it is told are removable."""
