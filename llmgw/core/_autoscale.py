@@ -98,8 +98,9 @@ class AutoscalePolicy:
     # while others started (+0.3 GPU-hours at 120 s). For a model whose long prompts
     # make TTFT slow before any queue forms.
     ttft_p90_s: float | None = None
-    # The samples the target reads: 30 s is 6 router samples at 5 s, a mean that a burst
-    # of one sample does not swing, short enough that a step is followed within it.
+    # The samples the target reads: 30 s is 30 samples (the leader samples every
+    # second), a mean that a burst of one sample does not swing, short enough that a
+    # step is followed within it.
     window_s: float = 30.0
     # The load must have asked for fewer this long: a replica that took 60-120 s to
     # start is not given back for a lull shorter than a few start times. 120 s saved

@@ -70,6 +70,28 @@ def errors(*models: dict[str, Any]) -> list[str]:
             [{"name": "m", "profiles": [CPU]}],
             "server.yaml: models[0].source: required, but missing",
         ),
+        (
+            [model(replicas=2, autoscale={"max": 2})],
+            "server.yaml: models[0]: replicas and autoscale are both set: autoscale sets the "
+            "count between its min and max; leave replicas out",
+        ),
+        (
+            [model(autoscale={"min": 3, "max": 2})],
+            "server.yaml: models[0].autoscale.max: 2; must be at least min (3)",
+        ),
+        (
+            [model(autoscale={"max": 2, "target": {"requests_per_replica": -1}})],
+            "server.yaml: models[0].autoscale.target.requests_per_replica: -1.0; must be a "
+            "positive number (or unset)",
+        ),
+        (
+            [model(autoscale={"min": 1})],
+            "server.yaml: models[0].autoscale.max: required, but missing",
+        ),
+        (
+            [model(autoscale={"max": 2, "hold": 3})],
+            "server.yaml: models[0].autoscale.hold: unknown key",
+        ),
     ],
 )
 def test_each_catalog_error_is_one_line_with_its_path(

@@ -6,7 +6,8 @@ llama-servers serving the tiny GGUF.
    on the first), and every one is answered 200 once it is ready, the first within a
    few seconds of ready; past `hold_max` the extra requests get 503 with Retry-After
    at once. With the burst's demand the count goes to 2; under a light stream load it
-   comes back to 1 through a drain (no stream cut), and with no load to 0 (min).
+   comes back to 1 through a drain (no stream cut), and with no load to 0 (min). An
+   operator's pause holds a count of 1 with no load; resumed, it goes back to 0.
 2. A full fleet (one fake h100 card, a real llama-server on it): `high` (priority 1)
    with demand displaces the idle `low` (priority 0), drained; then `low` with demand
    does not displace the idle `high`: its request gets 503 once held `hold_s`, and
@@ -149,6 +150,16 @@ def test_a_burst_at_zero_is_held_answered_and_drains_back_to_min(
     table = cluster.ctl("status").stdout
     line = next(x for x in table.splitlines() if x.startswith("tiny"))
     assert "0-2" in line and "lowered 1 -> 0" in line, table
+
+    # 4. An operator holds a count: a replica with no load, until resumed.
+    refused = cluster.ctl("autoscale", "pause", "tiny", "--replicas", "3", check=False)
+    assert refused.returncode != 0 and "outside tiny's autoscale range [0, 2]" in refused.stderr
+    out = cluster.ctl("autoscale", "pause", "tiny", "--replicas", "1").stdout
+    assert "paused at 1 by admin" in out, out
+    wait_for("held at 1", lambda: list(tiny_shards(cluster).values()) == ["ready"], TIMEOUT)
+    assert "paused at 1" in cluster.ctl("status").stdout
+    cluster.ctl("autoscale", "resume", "tiny")
+    wait_for("back to 0 once resumed", lambda: tiny_shards(cluster) == {}, 60)
 
 
 @pytest.mark.slow(seconds=60)

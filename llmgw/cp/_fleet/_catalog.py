@@ -92,6 +92,7 @@ class Autoscale:
     up_cooldown_s: float | None = None
     down_cooldown_s: float | None = None
     predict_s: float | None = None
+    trend_window_s: float | None = None
     hold_max: int | None = None
     hold_s: float | None = None
 
@@ -108,6 +109,7 @@ def autoscale_policy(a: Autoscale) -> core.AutoscalePolicy:
         "up_cooldown_s": a.up_cooldown_s,
         "down_cooldown_s": a.down_cooldown_s,
         "predict_s": a.predict_s,
+        "trend_window_s": a.trend_window_s,
         "hold_max": a.hold_max,
         "hold_s": a.hold_s,
     }
@@ -232,7 +234,10 @@ def validate_catalog(catalog: Catalog, source: str, problems: list[str] | None =
         if m.replicas < 0:
             problems.append(f"{where}.replicas: {m.replicas} is negative")
         if m.autoscale is not None:
-            problems += core.validate_policy(m.autoscale.policy(), f"{where}.autoscale")
+            found = core.validate_policy(m.autoscale.policy(), f"{where}.autoscale")
+            for target in ("requests_per_replica", "ttft_p90_s"):  # written under target:
+                found = [p.replace(f".{target}:", f".target.{target}:") for p in found]
+            problems += found
         problems += _rollout_problems(m.rollout, f"{where}.rollout")
         if not m.profiles:
             problems.append(f"{where}.profiles: at least one profile is needed")
