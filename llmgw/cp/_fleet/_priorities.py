@@ -7,7 +7,9 @@ the holders are the ready replicas of other models, each with its model's priori
 whether it is idle (the router has nothing in flight there and its model has nothing
 queued; unknown counts as busy), and how many replicas its model has above its min (an
 autoscaled model's `min`; a fixed count is its own min, so it is never displaced).
-`fits(freed)` asks placement, as if those replicas were gone. The victims' models are
+`fits(freed)` asks placement, as if those replicas were gone. Separately, of a model
+scaling down, the replicas whose cards a refused model could use retire first. The
+victims' models are
 lowered by as many replicas (`lower`: the autoscaler's count), and the victims are
 named to the plan to retire first, so they drain (their requests finish) and free
 their cards; the next pass places the wanting model. While a displacement's victims
@@ -45,12 +47,16 @@ class Priorities:
         self._lower = lower  # (model, replicas fewer, why): the victims' models' counts
         self._victims: dict[str, tuple[str, ...]] = {}  # wanting model -> victims alive
         self._why: dict[str, str] = {}
+        # Replicas of models scaling down whose cards a model placement refused could
+        # use: a scale-down takes these first.
+        self._helps: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
         return f"<Priorities displacing {self._victims}>"
 
     def retire_first(self) -> frozenset[str]:
-        return frozenset(r for victims in self._victims.values() for r in victims)
+        victims = {r for victims in self._victims.values() for r in victims}
+        return frozenset(victims | self._helps)
 
     def why(self, model_name: str) -> str | None:
         return self._why.get(model_name)
@@ -69,6 +75,7 @@ class Priorities:
                 del self._victims[name]  # freed: the next pass places it
         self._why = {n: w for n, w in self._why.items() if n in unplaced or n in self._victims}
         has = {m.name: sum(1 for v in alive if v.model_name == m.name) for m in catalog.models}
+        self._helps = self._helping(catalog, alive, has, unplaced, count)
         for name in sorted(unplaced):
             m = catalog.model(name)
             if m is None or name in self._victims or count(m) <= has.get(name, 0):
@@ -95,6 +102,27 @@ class Priorities:
                     by_model[h.model_name] = by_model.get(h.model_name, 0) + 1
             for victim_model, n in sorted(by_model.items()):
                 self._lower(victim_model, n, done.reason)
+
+    def _helping(
+        self,
+        catalog: Catalog,
+        alive: Collection[core.ReplicaView],
+        has: Mapping[str, int],
+        unplaced: Mapping[str, Unplaced],
+        count: Callable[[CatalogModel], int],
+    ) -> frozenset[str]:
+        shrinking = {m.name for m in catalog.models if count(m) < has.get(m.name, 0)}
+        if not shrinking or not unplaced:
+            return frozenset()
+        wanting = [m for name in sorted(unplaced) if (m := catalog.model(name)) is not None]
+        out = set()
+        for v in alive:
+            if v.model_name not in shrinking:
+                continue
+            placer = self._placing.placer(without=frozenset({v.replica_id}))
+            if any(not isinstance(self._placing.try_place(m, placer), Unplaced) for m in wanting):
+                out.add(v.replica_id)
+        return frozenset(out)
 
     def _holders(
         self,
