@@ -351,6 +351,45 @@ def _run(name: str, path: Path) -> tuple[subprocess.CompletedProcess[str], float
     return done, time.monotonic() - start
 
 
+def _main(name: str, path: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    """`name --config path` by its entry point's main() in this process, as `_run` would
+    see it: the exit code main() returns (what the script exits with), its stdout and
+    stderr. Each entry point still runs as a real process in the tests above and in
+    test_missing_tls_file_is_named_by_its_key; a Python per refused value (0.7 s of CPU
+    each on the suite's two cores) adds nothing to what these check: the value's message."""
+    import contextlib
+    import io
+    import logging
+    import time
+
+    from llmgw.agent import main as agent_main
+    from llmgw.cp import main as cp_main
+
+    main = {"llmgw-cp": cp_main, "llmgw-agent": agent_main}[name]
+
+    def started(*_: object) -> int:
+        raise AssertionError(f"{name} accepted {path} and started its service")
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # main() sets up logging
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    try:
+        with (
+            pytest.MonkeyPatch.context() as patch,
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            # A config main() accepted would serve for ever: fail instead.
+            patch.setitem(main.__globals__, "run_service", started)
+            rc = main(["--config", str(path)])
+    finally:
+        root.handlers[:], root.level = handlers, level
+    took = time.monotonic() - start
+    argv = [name, "--config", str(path)]
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue()), took
+
+
 # A refusal comes at once, before any retry or backoff; the bound is generous because a
 # loaded 2-core machine takes seconds just to start Python and import llmgw.
 REFUSED_WITHIN_S = 30.0
@@ -364,7 +403,7 @@ def test_broken_values_stop_the_process_in_one_line(
     path = tmp_path / name
     servers = "servers: [127.0.0.1:1]\n" if command == "llmgw-agent" else ""
     path.write_text(f"{servers}{TLS_YAML}{line}\n")
-    done, took = _run(command, path)
+    done, took = _main(command, path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"{command}: {path}: {expected}"]
     assert "Traceback" not in done.stderr + done.stdout
@@ -443,7 +482,7 @@ def test_a_mirror_dir_that_is_not_a_directory_stops_llmgw_cp(tmp_path: Path, kin
         f"tls: {{ca: {tmp_path}/ca.crt, cert: {tmp_path}/server.crt, key: {tmp_path}/server.key}}\n"
         f"mirror: {{dir: {target}}}\n"
     )
-    done, took = _run("llmgw-cp", path)
+    done, took = _main("llmgw-cp", path)
     assert done.returncode == 2, done.stderr
     problem = "no such directory" if kind == "missing" else "not a directory"
     assert done.stderr.strip().splitlines() == [

@@ -8,6 +8,7 @@ for; a key the code takes but the reference leaves out is one nobody can find.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 from pathlib import Path
@@ -77,20 +78,38 @@ def test_nested_keys_are_the_nested_classes_fields() -> None:
 LIBRARY = REPO / "llmgw"
 
 
+@functools.cache
+def _library() -> tuple[tuple[Path, ast.Module, frozenset[str]], ...]:
+    """Each library file but llmgw/config.py (the loaders and their validators), parsed
+    once for the whole module: (its resolved path, its tree, the attribute names it
+    reads, `x.name` in a load context)."""
+    out = []
+    for path in sorted(LIBRARY.rglob("*.py")):
+        if path.resolve() == (LIBRARY / "config.py").resolve():
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        loads = frozenset(
+            n.attr
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
+        )
+        out.append((path.resolve(), tree, loads))
+    return tuple(out)
+
+
 def _reads(skip: ast.ClassDef | None, home: Path) -> set[str]:
     """The attribute names library code reads (`x.name`, in a load context), leaving out
     llmgw/config.py (the loaders and their validators) and, in `home`, the body of the
     class `skip` itself."""
     out: set[str] = set()
-    for path in sorted(LIBRARY.rglob("*.py")):
-        if path.resolve() == (LIBRARY / "config.py").resolve():
+    for path, tree, loads in _library():
+        if skip is None or path != home:
+            out |= loads
             continue
-        tree = ast.parse(path.read_text(), str(path))
         inside: set[int] = set()
-        if skip is not None and path.resolve() == home:
-            for n in ast.walk(tree):
-                if isinstance(n, ast.ClassDef) and n.name == skip.name:
-                    inside = {id(x) for x in ast.walk(n)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef) and n.name == skip.name:
+                inside = {id(x) for x in ast.walk(n)}
         out |= {
             n.attr
             for n in ast.walk(tree)

@@ -290,10 +290,24 @@ class LocalCluster:
         cp = self.more[name] = ControlPlane(self, name)
         return cp
 
-    def api_key(self, tenant: str = "test", *extra: str) -> str:
-        """A new router API key (its secret)."""
-        out = self.ctl("keys", "create", "--tenant", tenant, *extra, "--json").stdout
-        return str(json.loads(out)["secret"])
+    def api_key(self, tenant: str = "test") -> str:
+        """A new router API key (its secret), from the first control plane: what `llmgw ctl
+        keys create --tenant TENANT` asks its admin API for, asked over HTTP (most tests
+        make one; a ctl process is ~0.4 s of CPU on a loaded two-core machine). The ctl's
+        own `keys create` is tested in tests/ctl."""
+        import httpx
+
+        response = httpx.post(
+            self.first.admin_url + "/api/v1/keys",
+            headers={"Authorization": f"Bearer {self.admin_key}"},
+            json={"tenant": tenant, "default_band": "interactive", "name": ""},
+            timeout=30,
+        )
+        if response.status_code != 201:
+            raise AssertionError(
+                f"POST /api/v1/keys for tenant {tenant}: {response.status_code} {response.text}"
+            )
+        return str(response.json()["secret"])
 
     @property
     def admin_key(self) -> str:

@@ -98,7 +98,10 @@ def _row(cluster: LocalCluster, node: str) -> str:
 
 
 def _replicas(cluster: LocalCluster) -> list[dict[str, Any]]:
-    return list(json.loads(cluster.ctl("replicas", "--json").stdout)["replicas"])
+    """`GET /api/v1/replicas`, which `ctl replicas --json` prints as is: read over HTTP
+    because it is polled (a ctl process per poll is ~0.4 s of CPU on the suite's two
+    cores); `ctl nodes` is read where its row is what is checked (`_row`)."""
+    return list(cluster.first.api_get("/api/v1/replicas")["replicas"])
 
 
 def _ready(cluster: LocalCluster, model: str) -> dict[str, Any] | None:
@@ -300,6 +303,7 @@ class _ReadyWatch:
                 self.statuses.append(status)
 
 
+@pytest.mark.slow(seconds=25)
 def test_a_new_declared_version_rolls_the_replica_and_nothing_retires_while_it_installs(
     cluster: LocalCluster, throttled: tuple[Path, int]
 ) -> None:
@@ -366,6 +370,7 @@ def _rollout(cluster: LocalCluster) -> dict[str, Any]:
 # --- vLLM from the mirror's simple index ------------------------------------------------------
 
 
+@pytest.mark.slow(seconds=25)
 def test_vllm_from_the_mirrors_simple_index_with_real_pip_runs_from_its_venv(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:

@@ -34,7 +34,6 @@ LOST_RECENTLY_S (20 s) after it dropped their sessions, which the old rule forba
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -85,8 +84,10 @@ def leader(cp: ControlPlane) -> dict[str, Any] | None:
 
 
 def shards(cp: ControlPlane) -> dict[str, tuple[str, str, tuple[int, ...]]]:
-    """shard id -> (node, state, pids), as `cp` knows them."""
-    nodes = json.loads(cp.ctl("nodes", "--json").stdout)["nodes"]
+    """shard id -> (node, state, pids), as `cp` knows them: its `GET /api/v1/nodes` (what
+    `ctl nodes --json` prints), read over HTTP because it is polled (a ctl process per
+    poll is ~0.4 s of CPU on the suite's two cores)."""
+    nodes = cp.api_get("/api/v1/nodes")["nodes"]
     return {
         s["shard_id"]: (n["node_id"], s["state"], tuple(s["pids"]))
         for n in nodes
