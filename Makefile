@@ -30,8 +30,11 @@ components:
 # is spent waiting on real processes, not on the CPU): PYTEST_WORKERS=0 runs them in one.
 # The slowest tests are printed at the end, so a run says where its minutes went.
 PYTEST_WORKERS ?= 4
+# Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE):
+# every worker and every llmgw process a test starts would compile llmgw and rewrite
+# the test files' asserts again, about a minute of CPU in one run.
 test: lint components
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 # The release a node installs from its control plane's mirror (docs/operations.md,
 # "Releases and the mirror"): dist/ holds the wheel, wheelhouse/, constraints.txt,

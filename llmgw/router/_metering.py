@@ -99,7 +99,11 @@ def strip_events(whole: bytes, nulls: bool) -> tuple[bytes, bytes]:
         if not event or _USAGE not in event:
             kept.append(event)
         elif _usage_only(event):
-            removed.append(event)
+            # Blank lines before it are the stream's, not the event's: they pass on, so
+            # the output is the same whether the stream came whole or in pieces.
+            body = event.lstrip(b"\r\n")
+            kept.append(event[: len(event) - len(body)])
+            removed.append(body)
         else:
             kept.append(_without_null_usage(event) if nulls else event)
     return b"".join(kept), b"".join(removed)

@@ -97,6 +97,19 @@ def test_the_strip_is_the_same_however_the_stream_is_cut(data: st.DataObject) ->
     assert strip_all(stream, sizes, nulls=True) == strip_all(stream, [], nulls=True)
 
 
+def test_a_blank_line_before_the_usage_event_passes_however_the_stream_is_cut() -> None:
+    """Found by fuzz/targets.py usage_strip: a stream with an extra blank line before
+    its usage event. Whole, the line went out with the event; in pieces that ended
+    before the event, it was passed on. It is the stream's: it passes on both ways."""
+    usage = LLAMA_ASKED.rindex(b"data: ", 0, LLAMA_ASKED.index(b'"choices":[]'))
+    stream = LLAMA_ASKED[:usage] + b"\n" + LLAMA_ASKED[usage:]
+    whole = strip_all(stream, [], nulls=False)
+    for cut in range(usage - 2, usage + 3):
+        assert strip_all(stream, [cut], nulls=False) == whole, cut
+    assert whole[0].endswith(b"\n\n\n") or b"\n\n\n" in whole[0]
+    assert whole[1].startswith(b"data: ")
+
+
 def test_the_strip_fed_byte_by_byte() -> None:
     assert strip_all(VLLM_ASKED, [1] * len(VLLM_ASKED), nulls=True) == (
         VLLM_NOT_ASKED,
