@@ -5,7 +5,9 @@ endpoint source (llmgw/router/_types.py; the control plane's for every served
 name of a catalog model with `autoscale: {min: 0}`). A request for it while it
 has no endpoint waits here, before admission, and goes on as any other once the
 fleet view gives the model an endpoint: its replica became ready. Each wait is
-woken by the view's refresh (`Fleet.refreshed`), not by polling.
+woken by the view's refresh (`Fleet.refreshed`); while any request is held the
+router re-reads its source every 50 ms (not every second), so a held request goes
+on within 50 ms of the view listing the replica.
 
 Bounds, so a client never hangs: at most `hold.max` requests held at once per
 model (each router worker its `share()` of it, at least 1), each at most `hold.s`

@@ -270,9 +270,11 @@ class Router:
             )
 
     async def _watch_source(self) -> None:
-        # Requests re-read the source too; this catches changes while no request comes.
+        # Requests re-read the source too; this catches changes while no request comes,
+        # and, every 50 ms while requests are held at zero replicas, the first replica.
         while True:
-            await trio.sleep(min(1.0, self.config.scrape_interval_s))
+            every = 0.05 if self.holds.held() else min(1.0, self.config.scrape_interval_s)
+            await trio.sleep(every)
             self.fleet.maybe_refresh()
 
     def close(self) -> None:
