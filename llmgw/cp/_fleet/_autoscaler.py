@@ -11,7 +11,8 @@ decides (llmgw/core/_autoscale.py). A change of count is logged, recorded as an
 `autoscaled` event, and pokes the reconciler, which asks `count(m)` for every model
 (a fixed model's count is its `replicas`).
 
-A standby decides nothing; it only writes its row. A new leader starts each model at
+A standby decides nothing; it only writes its row. With no autoscaled model in the
+catalog nothing is read or written. A new leader starts each model at
 what runs (`live`: the reconciler's live replicas, within [min, max]), so the count
 follows the fleet over a failover and a scale-down waits its full
 `scale_down_after_s` again. An operator's pause (`ctl autoscale pause`, in the store,
@@ -212,6 +213,9 @@ class Autoscaler:
             nursery.start_soon(self._read_paused)
             task_status.started()
             while True:
+                if not any(m.autoscale for m in self._catalog().models):
+                    await trio.sleep(self.sample_s)  # nothing to decide: no store writes
+                    continue
                 own = dict(self._loads())
                 nursery.start_soon(self._publish, own)
                 if self._acting():
