@@ -1,5 +1,13 @@
 """Pure decisions: plain values in, decisions out; no trio, capnp, HTTP or filesystem."""
 
+from llmgw.core._adapters import (
+    ADAPTER_ACTIONS,
+    AdapterAction,
+    AdapterPlan,
+    HeldAdapter,
+    ReplicaAdapters,
+    plan_adapter,
+)
 from llmgw.core._admission import Admission, AdmissionConfig, Admit, Band, Queued, Reject
 from llmgw.core._attempt import (
     ATTEMPT_VERDICTS,
@@ -190,6 +198,7 @@ from llmgw.core._xid import (
 from llmgw.model import ShardState
 
 __all__ = [
+    "ADAPTER_ACTIONS",
     "ALIVE_REPLICA_STATES",
     "ATTEMPT_VERDICTS",
     "AUTOSCALE_RULES",
@@ -206,6 +215,8 @@ __all__ = [
     "RUNNING_SHARD_STATES",
     "TTFT_BOUNDS",
     "XID_CLASSES",
+    "AdapterAction",
+    "AdapterPlan",
     "Admission",
     "AdmissionConfig",
     "Admit",
@@ -239,6 +250,7 @@ __all__ = [
     "GpuFacts",
     "HealthRun",
     "HeartbeatSeen",
+    "HeldAdapter",
     "Holder",
     "InFlight",
     "InvalidShardTransition",
@@ -267,6 +279,7 @@ __all__ = [
     "Registered",
     "Reject",
     "RemotePending",
+    "ReplicaAdapters",
     "ReplicaMeaning",
     "ReplicaState",
     "ReplicaView",
@@ -353,6 +366,7 @@ __all__ = [
     "pci_key",
     "place",
     "placement_profile",
+    "plan_adapter",
     "plan_reclaim",
     "prefill_echo",
     "queued",
