@@ -160,9 +160,9 @@ async def test_a_flood_of_one_prefix_spreads_once_the_bound_is_reached(
 ) -> None:
     """One warm prefix, then 8 requests with it at once: the warm server takes them
     while within the bound ((1 + 0.25) x the mean), and the rest go to the other one.
-    With the bound disabled (epsilon 10) all 8 go to the warm server: the router
-    expects short answers (the warm-up's), so queueing there costs less than a cold
-    prefill elsewhere, and only the bound moves them."""
+    With the bound disabled (epsilon 10) the warm server keeps (nearly) all 8: the
+    router expects short answers (the warm-up's), so queueing there costs less than a
+    cold prefill elsewhere; fewer go elsewhere than the bound sends."""
     eps = [llamas[0].endpoint("l0"), llamas[1].endpoint("l1")]
     system = system_prompt(99)
 
@@ -178,7 +178,8 @@ async def test_a_flood_of_one_prefix_spreads_once_the_bound_is_reached(
             before = [await trio.to_thread.run_sync(s.predicted) for s in llamas]
 
             async def one(i: int) -> None:
-                body = chat(system, f"question number {i}", max_tokens=64)
+                # ignore_eos: every answer the same length, so tokens count requests.
+                body = chat(system, f"question number {i}", max_tokens=64) | {"ignore_eos": True}
                 resp = await h.post(r.base_url + "/chat/completions", headers=AUTH, json=body)
                 assert resp.status_code == 200, resp.text
 
@@ -192,8 +193,13 @@ async def test_a_flood_of_one_prefix_spreads_once_the_bound_is_reached(
     bounded, home, blocks = await flood(0.25)
     assert bounded[home] > 0 and bounded[1 - home] > 0, bounded  # spread, affinity first
     assert blocks[home] > 0, blocks
-    unbounded, home, _ = await flood(10.0)
-    assert unbounded[1 - home] == 0 and unbounded[home] > 0, unbounded
+    unbounded, home2, _ = await flood(10.0)
+    # Without the bound the warm server keeps (nearly) all of them: the router weighs the
+    # queue there against a cold prefill elsewhere, and its decode cost is measured, so on
+    # a loaded machine the last one or two may rightly go elsewhere; never as many as the
+    # bound sends away.
+    assert unbounded[home2] > unbounded[1 - home2], unbounded
+    assert unbounded[1 - home2] < bounded[1 - home], (unbounded, bounded)
 
 
 async def test_a_cache_hit_on_the_busier_server_wins_while_its_queue_is_cheaper(
