@@ -35,7 +35,7 @@ from llmgw.host.os_release import parse_os_release
 from llmgw.router._continue import Join
 from llmgw.router._http1 import END, Failure, Head, RequestParser
 from llmgw.router._metering import UsageStrip
-from llmgw.router._surface import timings_usage
+from llmgw.router._tokens import timings_usage
 
 # The recorded samples live in the repository (tests/data/INDEX.md names their sources).
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "data"

@@ -40,7 +40,7 @@ from llmgw.core import (
     learn_pace,
     stream_metering,
 )
-from llmgw.router import _surface
+from llmgw.router import _surface, _tokens
 from llmgw.router._continue import Join
 from llmgw.router._fleet import Fleet, Model
 from llmgw.router._flight import Flight
@@ -372,7 +372,7 @@ class Attempts:
         event = _surface.broken_stream(record.errors, detail, status=record.status, code=code)
         await send({"type": "http.response.body", "body": event, "more_body": True})
 
-    def _learned(self, model: Model, ask: Ask, sent: Sent, report: _surface.CacheReport) -> None:
+    def _learned(self, model: Model, ask: Ask, sent: Sent, report: _tokens.CacheReport) -> None:
         """The engine's word on the answer: it corrects the index and the estimates."""
         if report.cached_tokens is not None:
             index = sent.state.index
@@ -408,7 +408,7 @@ class Attempts:
         sent: Sent,
         join: Join | None = None,
         strip: UsageStrip | None = None,
-    ) -> tuple[HttpError | None, _surface.CacheReport | None, Join | None]:
+    ) -> tuple[HttpError | None, _tokens.CacheReport | None, Join | None]:
         """Pass the answer on. Returns the error to retry with when it broke before any
         byte was sent, the engine's report on the answer, when it gave one, and the
         `Join` to continue with when a stream broke and may be continued elsewhere.
@@ -426,7 +426,7 @@ class Attempts:
         breaker = state.breaker
         model = record.model
         metrics = self._metrics
-        report: _surface.CacheReport | None = None
+        report: _tokens.CacheReport | None = None
         headers = [(k, v) for k, v in resp.headers if k not in _HOP_HEADERS]
         record.status = resp.status
         if not ask.stream or resp.header(b"content-length") is not None:
@@ -443,7 +443,7 @@ class Attempts:
             _tell(breaker, _WHOLE, _SUCCEEDED)
             sent.answering()
             if resp.status == 200:
-                report = _surface.cache_report(data)
+                report = _tokens.cache_report(data)
                 if report is not None:
                     metrics.tokens(model, report.prompt_tokens, report.completion_tokens)
                     record.prompt_tokens = report.prompt_tokens
@@ -462,7 +462,7 @@ class Attempts:
         else:
             join.begin()
         first = True
-        tally = join.tally if join is not None else _surface.StreamUsage()
+        tally = join.tally if join is not None else _tokens.StreamUsage()
         while True:
             try:
                 chunk = await resp.next_chunk()
@@ -510,7 +510,7 @@ class Attempts:
                 metrics.tokens(model, prompt, completion)
                 record.prompt_tokens = tally.prompt
                 record.completion_tokens = tally.completion
-                report = _surface.cache_report(seen) or report
+                report = _tokens.cache_report(seen) or report
             if resp.done:
                 _tell(breaker, _STREAM, _SUCCEEDED)
                 record.complete = True

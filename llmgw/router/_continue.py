@@ -24,7 +24,7 @@ import json
 from typing import Any
 
 from llmgw.core import ContinuationRefusal, ResumePlan, continuation_body, prefill_echo
-from llmgw.router._surface import StreamUsage
+from llmgw.router._tokens import StreamUsage
 
 _R = ContinuationRefusal
 _MAX_HELD = 1 << 20  # an event longer than this: given up on (the stream is not joinable)

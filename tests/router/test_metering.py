@@ -16,7 +16,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from llmgw.router._metering import UsageStrip, ask_usage, strip_events
-from llmgw.router._surface import StreamUsage, cache_report, timings_usage
+from llmgw.router._tokens import StreamUsage, cache_report, timings_usage
 
 VLLM_ASKED = (FIXTURES / "vllm-chat-stream-include-usage.sse").read_bytes()
 VLLM_NOT_ASKED = (FIXTURES / "vllm-chat-stream-no-usage.sse").read_bytes()

@@ -30,15 +30,14 @@ from hypothesis import strategies as st
 from llmgw.router._surface import (
     ROUTES,
     HttpError,
-    StreamUsage,
     anthropic_type,
     api_key,
     error_body,
     form_fields,
     form_model,
     stream_error,
-    usage,
 )
+from llmgw.router._tokens import StreamUsage, usage
 from llmgw.router._types import Endpoint
 from llmgw.testing.cluster import free_port, wait_for
 from router.conftest import SECRET_A, SECRET_LIMITED, SERVERS, sample, serve_router
