@@ -182,9 +182,6 @@ class ControlPlane:
     events: EventKeeper  # the event log's writer to the store, and its reader
     sessions: Sessions  # the admin pages' logins, kept in the store
     catalog_changed: Callable[[], None]  # what a catalog reload that changed it pokes
-    # Each router's load per served model here: this process's ("w0") and each router
-    # worker's (llmgw/cp/_workers.py loads_by_router), for the autoscaler.
-    loads_by_router: Callable[[], dict[str, dict[str, core.RouterLoad]]]
 
 
 async def assemble(
@@ -418,7 +415,6 @@ async def assemble(
         events=events,
         sessions=sessions,
         catalog_changed=catalog_changed,
-        loads_by_router=partial(loads_by_router, router, hub),
     )
 
 

@@ -188,7 +188,7 @@ class Autoscaler:
 
     def lower(self, name: str, fewer: int, why: str) -> None:
         """A higher priority takes `fewer` of `name`'s replicas (never below its min)."""
-        m = next((m for m in self._catalog().models if m.name == name), None)
+        m = self._catalog().model(name)
         if m is None or m.autoscale is None:
             return
         before = self.count(m)

@@ -20,6 +20,7 @@ why it may or may not be taken) are `why(model)`, for `ctl status`.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 
 from llmgw import core
@@ -74,7 +75,7 @@ class Priorities:
             if not alive_ids & set(victims):
                 del self._victims[name]  # freed: the next pass places it
         self._why = {n: w for n, w in self._why.items() if n in unplaced or n in self._victims}
-        has = {m.name: sum(1 for v in alive if v.model_name == m.name) for m in catalog.models}
+        has = Counter(v.model_name for v in alive)  # each model's live replicas
         self._helps = self._helping(catalog, alive, has, unplaced, count)
         for name in sorted(unplaced):
             m = catalog.model(name)
