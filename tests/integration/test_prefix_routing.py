@@ -215,7 +215,10 @@ async def test_a_cache_hit_on_the_busier_server_wins_while_its_queue_is_cheaper(
     eps = [llamas[0].endpoint("l0"), llamas[1].endpoint("l1")]
 
     async def third(seed: int, **config: Any) -> tuple[dict[str, Any], float, list[float]]:
-        system = system_prompt(seed)  # a prompt of its own: neither server holds it yet
+        # A prompt of its own (neither server holds it yet), long enough that its prefill
+        # elsewhere (~1,300 tokens) outweighs the queue at home even where decoding is
+        # slow (a loaded machine measures a dearer decode: at ~800 tokens it spilled).
+        system = system_prompt(seed, words=250)
         async with (
             serve_router(eps, scrape_interval_s=0.2, **config) as r,
             httpx.AsyncClient(timeout=120) as h,
