@@ -130,3 +130,20 @@ def test_a_model_first_seen_at_its_new_version_cannot_be_undone_and_says_why() -
     passes(r, v2, {"a": ("fp-from-before", "ready")})  # rolling, from a version not known here
     with pytest.raises(UsageError, match="the version before this rollout is not known here"):
         r.undo("tiny", v2)
+
+
+def test_an_edit_right_after_a_rollout_finishes_goes_back_to_the_finished_version() -> None:
+    """Found by a loaded fresh-clone run of test_rollout_e2e: v1 -> v2 finished, and an
+    edit to v3 arrived in the very next pass. The version a rollout came from was the
+    last settled one, which was only recorded a pass after the rollout finished, so the
+    undo of v3 went back to v1, replacing v2's replicas, not to v2."""
+    v1, v2, v3 = (Catalog((tiny(ctx, replicas=1),)) for ctx in (256, 512, 1024))
+    fp1, fp2, fp3 = (c.fingerprints(c.models[0]) for c in (v1, v2, v3))
+    r = Rollouts()
+    passes(r, v1, {"a": (fp1[0], "ready")})  # v1 settled
+    passes(r, v2, {"a": (fp1[0], "ready")})  # rolling to v2: b starts
+    passes(r, v2, {"a": (fp1[0], "ready"), "b": (fp2[0], "ready")})  # a retires
+    passes(r, v2, {"b": (fp2[0], "ready")})  # the pass that finishes it
+    passes(r, v3, {"b": (fp2[0], "ready")})  # the edit, at once: rolling to v3
+    r.undo("tiny", v3)
+    assert v3.fingerprints(r.catalog(v3).models[0]) == fp2 != fp3

@@ -230,7 +230,10 @@ class Rollouts:
                     self._changed(m.name)
                     if step.phase is not RolloutPhase.ROLLING or rec.phase != step.phase:
                         log.info("%s: rollout %s", m.name, step.status)
-            if step is None and _settles(plan, m, count(m) if count else m.replicas):
+            # Settled from the pass that finishes a rollout on: an edit in the next
+            # pass's gap would otherwise record the version before as its `previous`.
+            done = step is None or step.phase is RolloutPhase.DONE
+            if done and _settles(plan, m, count(m) if count else m.replicas):
                 version = Version(fps, config.unstructure(m))
                 if mr.settled != version:
                     mr.settled = version
