@@ -76,17 +76,26 @@ _HIT_SHARE = 0.5
 _LEARN = 0.5
 
 
-def chain(prompt: bytes, block_bytes: int) -> list[int]:
+def chain(prompt: bytes, block_bytes: int, under: str = "") -> list[int]:
     """The chain hashes of the prompt's whole blocks, first block first (unsigned
-    64-bit; equal in every process)."""
+    64-bit; equal in every process). `under`: the LoRA adapter the prompt is computed
+    under ("": the base), which starts the chain, so one prompt under two adapters
+    shares no block (an engine's cache of one is no use to the other)."""
     out: list[int] = []
-    digest = b""
+    digest = _start(under)
     end = len(prompt) - len(prompt) % block_bytes
     blake2b, from_bytes = hashlib.blake2b, int.from_bytes
     for i in range(0, end, block_bytes):
         digest = blake2b(prompt[i : i + block_bytes], digest_size=8, salt=digest).digest()
         out.append(from_bytes(digest, "little"))
     return out
+
+
+def _start(under: str) -> bytes:
+    """The salt a chain starts from: none for the base, else the adapter's own."""
+    if not under:
+        return b""
+    return hashlib.blake2b(under.encode(), digest_size=8, person=b"llmgw-lora").digest()
 
 
 @attrs.frozen

@@ -26,6 +26,8 @@ import trio
 from llmgw import config, core
 from llmgw.cp._admin import AdminApp, ensure_admin_key, read_admin_key
 from llmgw.cp._fleet import _engines
+from llmgw.cp._fleet._adapter_metrics import AdapterCollector
+from llmgw.cp._fleet._adapters import AdapterManager
 from llmgw.cp._fleet._autoscaler import Autoscaler
 from llmgw.cp._fleet._catalog_file import CatalogFile
 from llmgw.cp._fleet._endpoints import (
@@ -120,6 +122,7 @@ async def run(
         nursery.start_soon(cp.sessions.writer)
         await nursery.start(cp.reconciler.run)
         await nursery.start(cp.autoscaler.run)
+        await nursery.start(cp.adapters.run)
         # Before the RPC listener: alone on its store, this control plane leads before
         # the first agent dials, so none is refused at start.
         await nursery.start(cp.leadership.run)
@@ -171,6 +174,7 @@ class ControlPlane:
     registry: NodeRegistry
     reconciler: Reconciler
     autoscaler: Autoscaler
+    adapters: AdapterManager
     leadership: Leadership
     sizes: SourceSizes
     publisher: EndpointPublisher
@@ -320,13 +324,15 @@ async def assemble(
         else None
     )
 
-    def in_flight(replica: str, node: str) -> int | None:
-        eid = endpoint_id(replica, node)
+    def endpoint_in_flight(eid: str) -> int | None:
         mine = router.in_flight(eid)  # first: it re-reads the view the workers must match
         if hub is None:
             return mine
         theirs = hub.in_flight(eid)
         return None if theirs is None else mine + theirs
+
+    def in_flight(replica: str, node: str) -> int | None:
+        return endpoint_in_flight(endpoint_id(replica, node))
 
     def wedged() -> dict[str, str]:
         """Replica id -> why a router here (this process or a worker) quarantined it."""
@@ -363,6 +369,20 @@ async def assemble(
         lower=autoscaler.lower,
     )
     autoscaler.live = reconciler.live
+    # Which replica holds which LoRA adapter (llmgw/cp/_fleet/_adapters.py): the leader
+    # loads one where requests wait for it; the router's view reads what each holds.
+    adapters = AdapterManager(
+        lambda: catalog.catalog,
+        registry,
+        acting=registry.acting,
+        demand=autoscaler.demand,
+        in_flight=endpoint_in_flight,
+        refresh=endpoints_stale.poke,
+        events=registry.events,
+        stop_grace_s=cfg.stop_grace_s,
+        drain_s=cfg.drain_timeout_s,
+    )
+    endpoints.book = adapters
 
     def catalog_changed() -> None:
         plan_again.poke()
@@ -379,6 +399,7 @@ async def assemble(
             scales=autoscaler.scales,
         )
     )
+    router.metrics_registry.register(AdapterCollector(adapters.status))
     router.metrics_registry.register(
         LeaderCollector(leadership, lambda: registry.commands_refused_stale)
     )
@@ -389,6 +410,7 @@ async def assemble(
         admin_key,
         reconciler=reconciler,
         autoscaler=autoscaler,
+        adapters=adapters,
         catalog=catalog,
         keys=router.keys,
         metrics=router.metrics_registry,
@@ -404,6 +426,7 @@ async def assemble(
         registry=registry,
         reconciler=reconciler,
         autoscaler=autoscaler,
+        adapters=adapters,
         leadership=leadership,
         sizes=sizes,
         publisher=publisher,

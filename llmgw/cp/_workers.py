@@ -10,9 +10,11 @@ worker, JSON lines both ways:
 
     worker -> cp   {"hello": i, "pid": P}                           once
     cp -> worker   {"router": {...}, "store": WHERE, "admin_key": PATH}  once (server.yaml)
-    cp -> worker   {"version": V, "endpoints": {model: [[id, model, engine, host, port, slots]]},
+    cp -> worker   {"version": V, "endpoints": {model: [[id, model, engine, host, port, slots,
+                                                   [adapter held, ...]]]},
                     "traffic": {split: {versions, keys}},  (llmgw.router.encode_traffic)
-                    "holds": {model: {"max": n, "s": seconds}}}  (llmgw.router.encode_holds)
+                    "holds": {model: {"max": n, "s": seconds}},  (llmgw.router.encode_holds)
+                    "adapters": {name: {"base", ...}}}  (llmgw.router.encode_adapters)
                    at once, then whenever the fleet view's version moves (checked every 50 ms)
     worker -> cp   {"version": V, "in_flight": {endpoint id: n},    every 200 ms, and at once
                     "quarantined": {endpoint id: reason},           after applying a new view
@@ -74,6 +76,7 @@ from llmgw._process import run_service, setup_logging
 from llmgw.core import Learned, Outbox, RouterLoad, TrafficSplit
 from llmgw.cp._admin import read_admin_key
 from llmgw.router import (
+    AdapterRoute,
     Endpoint,
     EndpointSource,
     Hold,
@@ -83,8 +86,11 @@ from llmgw.router import (
     Router,
     RouterConfig,
     StoreKeys,
+    adapters_of,
+    decode_adapters,
     decode_holds,
     decode_traffic,
+    encode_adapters,
     encode_holds,
     encode_traffic,
     hear,
@@ -118,11 +124,15 @@ def _encode(source: EndpointSource) -> dict[str, Any]:
     return {
         "version": source.version,
         "endpoints": {
-            name: [[e.endpoint_id, e.model, e.engine, e.host, e.port, e.slots] for e in eps]
+            name: [
+                [e.endpoint_id, e.model, e.engine, e.host, e.port, e.slots, list(e.adapters)]
+                for e in eps
+            ]
             for name, eps in snap.items()
         },
         "traffic": encode_traffic(source.traffic()),
         "holds": encode_holds(holds_of(source)),
+        "adapters": encode_adapters(adapters_of(source)),
     }
 
 
@@ -367,6 +377,7 @@ class RemoteEndpoints:
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
         self._traffic: dict[str, TrafficSplit] = {}
         self._holds: dict[str, Hold] = {}
+        self._adapters: dict[str, AdapterRoute] = {}
 
     @property
     def version(self) -> int:
@@ -381,16 +392,28 @@ class RemoteEndpoints:
     def holds(self) -> Mapping[str, Hold]:
         return self._holds
 
+    def adapters(self) -> Mapping[str, AdapterRoute]:
+        return self._adapters
+
     def apply(self, view: Mapping[str, Any]) -> None:
         self._snapshot = {
             name: tuple(
-                Endpoint(str(a), str(b), str(c), str(d), int(e), None if f is None else int(f))
-                for a, b, c, d, e, f in eps
+                Endpoint(
+                    str(a),
+                    str(b),
+                    str(c),
+                    str(d),
+                    int(e),
+                    None if f is None else int(f),
+                    tuple(str(x) for x in rest[0]) if rest else (),
+                )
+                for a, b, c, d, e, f, *rest in eps
             )
             for name, eps in view["endpoints"].items()
         }
         self._traffic = decode_traffic(view.get("traffic"))
         self._holds = decode_holds(view.get("holds"))
+        self._adapters = decode_adapters(view.get("adapters"))
         self._version = int(view["version"])
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from llmgw.ctl import (
     _accounts,
+    _adapters,
     _autoscale,
     _cert,
     _fleet,
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(sub)
     _rollout.register(sub)
     _autoscale.register(sub)
+    _adapters.register(sub)
     _add_accounts(sub)
     _add_engine_check(sub)
     _cert.register(sub)

@@ -11,9 +11,12 @@ goes); `python -m llmgw.router` is router-only mode. `listener_limits(config)`
 is the router listener's `ListenerLimits` (llmgw.web.limits, re-exported here).
 `router.loads()` is its load per served model (the autoscaler's signals); an
 endpoint source's optional `holds()` (`Hold`) keeps requests for a model at zero
-replicas waiting for its first, `encode_holds`/`decode_holds` carry them.
+replicas waiting for its first, `encode_holds`/`decode_holds` carry them; its
+optional `adapters()` (`AdapterRoute`) names the LoRA adapters among its served
+names (`encode_adapters`/`decode_adapters` carry them).
 """
 
+from llmgw.router._adapters import AdapterRoute, adapters_of, decode_adapters, encode_adapters
 from llmgw.router._hypercorn import serve as serve_hypercorn
 from llmgw.router._keys import CachedKeys, KeyStore, StaticKeys, StoreKeys
 from llmgw.router._main import keep_worker, listener_limits, metrics_app
@@ -56,6 +59,7 @@ __all__ = [
     "EXPLAIN_HEADER",
     "PRIORITY_HEADER",
     "VERSION_HEADER",
+    "AdapterRoute",
     "CachedKeys",
     "Endpoint",
     "EndpointSource",
@@ -71,8 +75,11 @@ __all__ = [
     "StaticEndpoints",
     "StaticKeys",
     "StoreKeys",
+    "adapters_of",
+    "decode_adapters",
     "decode_holds",
     "decode_traffic",
+    "encode_adapters",
     "encode_holds",
     "encode_traffic",
     "hear",

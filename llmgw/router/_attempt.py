@@ -41,6 +41,7 @@ from llmgw.core import (
     stream_metering,
 )
 from llmgw.router import _surface, _tokens
+from llmgw.router._adapters import engine_body
 from llmgw.router._continue import Join
 from llmgw.router._fleet import Fleet, Model
 from llmgw.router._flight import Flight
@@ -50,6 +51,7 @@ from llmgw.router._metrics import RouterMetrics
 from llmgw.router._record import Ask, Record
 from llmgw.router._scraper import EndpointState
 from llmgw.router._surface import HttpError
+from llmgw.router._types import Endpoint
 from llmgw.router._upstream import (
     ConnectFailed,
     Response,
@@ -199,6 +201,16 @@ def _upstream_error(model: str, exc: UpstreamError) -> HttpError:
     return _surface.upstream_error(model, "failed", exc)
 
 
+def _for_engine(endpoint: Endpoint, body: bytes, model: Model, ask: Ask) -> bytes:
+    """The body in the engine's form for LoRA adapters (llmgw/router/_adapters.py)."""
+    if not endpoint.adapters or ask.content_type != _surface.JSON_CONTENT_TYPE:
+        return body
+    route = model.adapter
+    if route is None:
+        return engine_body(endpoint, body, None, 1.0)
+    return engine_body(endpoint, body, model.name, route.scale)
+
+
 class Attempts:
     """The attempt loop, for every request of one router."""
 
@@ -290,7 +302,7 @@ class Attempts:
                         resp = await state.pool.request(
                             b"POST",
                             ask.path.encode(),
-                            body,
+                            _for_engine(state.endpoint, body, model, ask),
                             headers=((b"content-type", ask.content_type),),
                             timeouts=self._timeouts,
                         )

@@ -19,7 +19,8 @@ import trio
 
 from llmgw.core import Decision, TrafficChoice, explain, route
 from llmgw.router import _surface
-from llmgw.router._fleet import Fleet
+from llmgw.router._adapters import AdapterRoute
+from llmgw.router._fleet import Fleet, Model
 from llmgw.router._record import Prompt
 
 EXPLAIN_HEADER = b"x-llmgw-explain"
@@ -78,7 +79,30 @@ def explanation(
     answer["quarantined"] = {
         s.endpoint.endpoint_id: s.quarantine.reason for s in model.endpoints if s.quarantine
     }
+    route_ = fleet.adapters().get(name)
+    if route_ is not None:
+        answer["adapter"] = adapter_json(name, route_, model)
     return answer
+
+
+def adapter_json(name: str, route_: AdapterRoute, model: Model) -> dict[str, Any]:
+    """For an adapter: the replicas of its base that hold it (the only candidates), the
+    loads in flight, and whether a request now triggers one (none holds it: it waits
+    on the adapter's hold, and the leader loads it where its plan says)."""
+    holders = sorted(s.endpoint.endpoint_id for s in model.endpoints)
+    if holders:
+        words = f"held by {', '.join(holders)}: a request goes to one of them, no load"
+    elif route_.loading:
+        words = f"held by none; loading on {', '.join(route_.loading)}: a request waits for it"
+    else:
+        words = f"held by none: a request waits and makes the control plane load {name}"
+    return {
+        "base": route_.base,
+        "held_by": holders,
+        "loading_on": list(route_.loading),
+        "triggers_load": not holders and not route_.loading,
+        "reason": words,
+    }
 
 
 def decision_json(

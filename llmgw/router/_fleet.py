@@ -41,6 +41,7 @@ from llmgw.core import (
     decide,
     merge,
 )
+from llmgw.router._adapters import AdapterRoute, adapters_of
 from llmgw.router._config import RouterConfig
 from llmgw.router._record import Prompt
 from llmgw.router._scraper import EndpointState
@@ -58,7 +59,7 @@ class Model:
     """One served name: its endpoints, its admission, and what its answers taught
     (`estimates`, llmgw/core/_estimates.py)."""
 
-    __slots__ = ("admission", "endpoints", "estimates", "name", "rotation")
+    __slots__ = ("adapter", "admission", "endpoints", "estimates", "name", "rotation")
 
     def __init__(self, name: str, admission: Admission) -> None:
         self.name = name
@@ -66,6 +67,8 @@ class Model:
         self.endpoints: tuple[EndpointState, ...] = ()
         self.estimates = Estimates()
         self.rotation = 0
+        # A LoRA adapter's route (its base, scale, tenants); None: a model of its own.
+        self.adapter: AdapterRoute | None = None
 
     def __repr__(self) -> str:
         return f"<Model {self.name} {len(self.endpoints)} endpoints {self.estimates!r}>"
@@ -198,6 +201,7 @@ class Fleet:
         self._known: dict[str, Model] = {}  # what the source lists now
         self._traffic: dict[str, TrafficSplit] = {}  # split name -> its versions
         self._holds: dict[str, Hold] = {}  # served name -> how it waits at zero replicas
+        self._adapters: dict[str, AdapterRoute] = {}  # adapter name -> its route
         self._refreshed = trio.Event()  # set (and replaced) by each `refresh`
         self._states: dict[str, EndpointState] = {}
         # Endpoints that left the source's list with requests still on them: their
@@ -240,6 +244,10 @@ class Fleet:
         """How requests for a model with no endpoint wait for one (llmgw/router/_holds.py),
         as the source said when last read."""
         return self._holds
+
+    def adapters(self) -> dict[str, AdapterRoute]:
+        """The LoRA adapters the source lists (llmgw/router/_adapters.py), as last read."""
+        return self._adapters
 
     async def refreshed(self) -> None:
         """Wait for the next `refresh` (the view re-read: an endpoint may have come)."""
@@ -405,6 +413,9 @@ class Fleet:
         self._known = known
         self._traffic = dict(self._source.traffic())
         self._holds = dict(holds_of(self._source))
+        self._adapters = dict(adapters_of(self._source))
+        for name, model in self._models.items():
+            model.adapter = self._adapters.get(name)
         log.debug("endpoints now: %s", {n: len(m.endpoints) for n, m in known.items()})
         self._refreshed.set()  # held requests look again (llmgw/router/_holds.py)
         self._refreshed = trio.Event()

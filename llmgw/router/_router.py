@@ -357,7 +357,7 @@ class Router:
         if not _listing.is_listed(self.fleet, key, name):
             raise _surface.model_not_listed(name)
         record.status = 200
-        await send_json(send, 200, _listing.model_entry(name))
+        await send_json(send, 200, _listing.model_entry(name, _listing.parent(self.fleet, name)))
 
     # --- the request path: parse -> authenticate -> admit -> attempt ----------------------
 
@@ -374,11 +374,14 @@ class Router:
             raise _surface.invalid_key()
         return key
 
-    def _prompt(self, path: str, request: dict[str, Any]) -> Prompt | None:
+    def _prompt(self, path: str, request: dict[str, Any], name: str) -> Prompt | None:
         text = _surface.prompt_bytes(path, request)
         if text is None:
             return None
-        blocks = tuple(chain(text, self.config.prefix_block_bytes)) if self._use_prefix else ()
+        # An adapter's prompts are its own: cached under it, of no use to the base.
+        under = name if name in self.fleet.adapters() else ""
+        size = self.config.prefix_block_bytes
+        blocks = tuple(chain(text, size, under)) if self._use_prefix else ()
         return Prompt(text, blocks, _surface.output_limit(request))
 
     async def _inference(
@@ -412,7 +415,7 @@ class Router:
             if split is not None:
                 request = {**request, "model": name}
                 body = renamed(request)
-            prompt = self._prompt(path, request)
+            prompt = self._prompt(path, request, name)
             if stream and not explaining:
                 usage_body = ask_usage(path, request)
                 # What a continuation would extend: the request asking for the usage
@@ -436,6 +439,8 @@ class Router:
         record.model = name
         if not key.may_use(wanted):
             raise _surface.model_not_allowed(key.key_id, wanted)
+        if model.adapter is not None and not model.adapter.allows(key.tenant):
+            raise _surface.adapter_not_allowed(key.tenant, name)
         band = self._bands.band(scope["headers"], key)
         record.band = band.name
         await self._bands.admit_tenant(key, band)

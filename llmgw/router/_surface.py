@@ -311,6 +311,16 @@ def model_not_allowed(key_id: str, name: str) -> HttpError:
     )
 
 
+def adapter_not_allowed(tenant: str, name: str) -> HttpError:
+    return HttpError(
+        403,
+        f"tenant {tenant} may not use the adapter {name!r} (its catalog entry names the "
+        "tenants that may)",
+        type="permission_error",
+        code="model_not_allowed",
+    )
+
+
 def unknown_band(header: str, asked: str, known: str) -> HttpError:
     return HttpError(
         400,

@@ -9,6 +9,11 @@ from typing import Protocol
 import attrs
 
 from llmgw.core import TrafficSplit
+from llmgw.router._adapters import AdapterRoute
+
+
+def _strings(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
 
 
 @attrs.frozen
@@ -27,6 +32,8 @@ class Endpoint:
     host: str
     port: int
     slots: int | None = None
+    # The LoRA adapters this replica holds, in its engine's order (llmgw/router/_adapters.py).
+    adapters: tuple[str, ...] = attrs.field(default=(), converter=_strings)
 
     @property
     def authority(self) -> str:
@@ -103,7 +110,9 @@ class EndpointSource(Protocol):
 
     Optionally, `holds()` maps served names to a `Hold`: a request for one with no
     endpoint waits for its first instead of a 503 at once (read with `holds_of`;
-    `version` moves when they change too).
+    `version` moves when they change too), and `adapters()` maps LoRA adapter names
+    (listed in the snapshot under their own name) to an `AdapterRoute` (read with
+    `adapters_of`, llmgw/router/_adapters.py).
     """
 
     @property
@@ -123,12 +132,14 @@ class StaticEndpoints:
         models: Iterable[str] = (),
         traffic: Iterable[TrafficSplit] = (),
         holds: Mapping[str, Hold] | None = None,
+        adapters: Mapping[str, AdapterRoute] | None = None,
     ) -> None:
         self._version = 0
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
         self._traffic: dict[str, TrafficSplit] = {}
         self._holds: dict[str, Hold] = {}
-        self.replace(endpoints, models, traffic, holds)
+        self._adapters: dict[str, AdapterRoute] = {}
+        self.replace(endpoints, models, traffic, holds, adapters)
 
     def __repr__(self) -> str:
         sizes = {m: len(e) for m, e in self._snapshot.items()}
@@ -147,16 +158,20 @@ class StaticEndpoints:
     def holds(self) -> Mapping[str, Hold]:
         return self._holds
 
+    def adapters(self) -> Mapping[str, AdapterRoute]:
+        return self._adapters
+
     def replace(
         self,
         endpoints: Iterable[Endpoint],
         models: Iterable[str] = (),
         traffic: Iterable[TrafficSplit] = (),
         holds: Mapping[str, Hold] | None = None,
+        adapters: Mapping[str, AdapterRoute] | None = None,
     ) -> None:
         """Swap the list; `models` names served names to keep known with no endpoint,
         `traffic` the splits over them, `holds` how requests for one with no endpoint
-        wait (none: 503 at once)."""
+        wait (none: 503 at once), `adapters` the LoRA adapters among the names."""
         snap: dict[str, list[Endpoint]] = {m: [] for m in models}
         seen: set[str] = set()
         for ep in endpoints:
@@ -167,4 +182,5 @@ class StaticEndpoints:
         self._snapshot = {m: tuple(eps) for m, eps in snap.items()}
         self._traffic = {t.name: t for t in traffic}
         self._holds = dict(holds or {})
+        self._adapters = dict(adapters or {})
         self._version += 1

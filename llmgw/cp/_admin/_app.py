@@ -15,6 +15,7 @@ from urllib.parse import parse_qsl
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from llmgw.cp._admin._adapters import AdapterRoutes, AdapterSource
 from llmgw.cp._admin._autoscale import AutoscaleRoutes
 from llmgw.cp._admin._fleet import Fleet
 from llmgw.cp._admin._http import Route, read_json, send_error
@@ -54,6 +55,7 @@ class AdminApp:
         *,
         reconciler: Reconciler | None = None,
         autoscaler: Autoscaler | None = None,
+        adapters: AdapterSource | None = None,
         catalog: CatalogFile | None = None,
         keys: KeyStore | None = None,
         metrics: CollectorRegistry | None = None,
@@ -79,6 +81,7 @@ class AdminApp:
         self._logs = Logs(registry, store)
         self._rollouts = RolloutRoutes(reconciler, catalog, store)
         self._autoscale = AutoscaleRoutes(autoscaler, catalog, store)
+        self._adapters = AdapterRoutes(adapters)
         self._routes: list[Route] = [
             *self._fleet.routes,
             *self._models.routes,
@@ -87,6 +90,7 @@ class AdminApp:
             *self._logs.routes,
             *self._rollouts.routes,
             *self._autoscale.routes,
+            *self._adapters.routes,
         ]
         # Each pattern matches a whole path, so the order of the rows decides nothing: a
         # (method, path) declared twice is a mistake, not a precedence to resolve.

@@ -11,8 +11,9 @@ decides (llmgw/core/_autoscale.py). A change of count is logged, recorded as an
 `autoscaled` event, and pokes the reconciler, which asks `count(m)` for every model
 (a fixed model's count is its `replicas`).
 
-A standby decides nothing; it only writes its row. With no autoscaled model in the
-catalog nothing is read or written. A new leader starts each model at
+A standby decides nothing; it only writes its row. With no autoscaled model and no
+LoRA adapter in the catalog nothing is read or written (an adapter's waiting requests
+are its demand: `demand`, read by llmgw/cp/_fleet/_adapters.py). A new leader starts each model at
 what runs (`live`: the reconciler's live replicas, within [min, max]), so the count
 follows the fleet over a failover and a scale-down waits its full
 `scale_down_after_s` again. An operator's pause (`ctl autoscale pause`, in the store,
@@ -136,6 +137,7 @@ class Autoscaler:
         self._routers: dict[str, int] = {}  # model -> routers its last sample summed
         self._changes: dict[str, tuple[core.AutoscaleDecision, float]] = {}
         self._was_acting = False
+        self._by_name: dict[str, core.RouterLoad] = {}  # served name -> last step's sum
 
     def __repr__(self) -> str:
         return f"<Autoscaler {self._cp} {len(self._state)} models>"
@@ -186,6 +188,19 @@ class Autoscaler:
         samples = self._samples.get(name)
         return samples[-1].queued if samples else None
 
+    def demand(self, name: str) -> core.RouterLoad | None:
+        """What the routers hold of served name `name` now (queued and in flight, the
+        gauges): the larger of this control plane's own routers read now and every
+        router's sum at the last step; None: no router reports it. Read by the adapter
+        manager (llmgw/cp/_fleet/_adapters.py), for which this runs with adapters too."""
+        own = [models[name] for models in self._loads().values() if name in models]
+        parts = [p for p in (core.merge_loads(own) if own else None, self._by_name.get(name)) if p]
+        if not parts:
+            return None
+        return core.RouterLoad(
+            queued=max(p.queued for p in parts), in_flight=max(p.in_flight for p in parts)
+        )
+
     def lower(self, name: str, fewer: int, why: str) -> None:
         """A higher priority takes `fewer` of `name`'s replicas (never below its min)."""
         m = self._catalog().model(name)
@@ -213,7 +228,8 @@ class Autoscaler:
             nursery.start_soon(self._read_paused)
             task_status.started()
             while True:
-                if not any(m.autoscale for m in self._catalog().models):
+                catalog = self._catalog()
+                if not any(m.autoscale for m in catalog.models) and not catalog.adapters:
                     await trio.sleep(self.sample_s)  # nothing to decide: no store writes
                     continue
                 own = dict(self._loads())
@@ -294,6 +310,7 @@ class Autoscaler:
                 grown.append(one)
         self._last = {k: v for k, v in self._last.items() if k in seen}
         by_name = core.merge_models(grown)
+        self._by_name = by_name
         changed = False
         for m in self._catalog().models:
             if m.autoscale is None:

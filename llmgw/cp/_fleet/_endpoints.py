@@ -35,11 +35,15 @@ from llmgw.cp._fleet._handover import Handover
 from llmgw.cp._fleet._registry import NodeRegistry
 from llmgw.errors import LlmgwError
 from llmgw.router import (
+    AdapterRoute,
     Endpoint,
     EndpointSource,
     Hold,
+    adapters_of,
+    decode_adapters,
     decode_holds,
     decode_traffic,
+    encode_adapters,
     encode_holds,
     encode_traffic,
     holds_of,
@@ -58,6 +62,31 @@ def replica_of(endpoint: str) -> str:
     return endpoint.rpartition("@")[0]
 
 
+class AdapterBook(Protocol):
+    """What the adapter manager tells the view (llmgw/cp/_fleet/_adapters.py)."""
+
+    def held(self, replica_id: str | None, shard: model.ShardReport) -> tuple[str, ...]: ...
+    def out(self) -> Collection[str]: ...
+    def loading(self, adapter: str) -> tuple[str, ...]: ...
+
+
+class _NoAdapters:
+    def held(self, replica_id: str | None, shard: model.ShardReport) -> tuple[str, ...]:
+        return tuple(shard.adapters)
+
+    def out(self) -> Collection[str]:
+        return frozenset()
+
+    def loading(self, adapter: str) -> tuple[str, ...]:
+        return ()
+
+
+# A request for an adapter no replica holds waits this long, and this many per adapter
+# per router, for the control plane to load it (llmgw/router/_holds.py), then 503.
+ADAPTER_HOLD_MAX = 1000
+ADAPTER_WAIT_S = 120.0
+
+
 class FleetEndpoints:
     def __init__(
         self,
@@ -68,10 +97,12 @@ class FleetEndpoints:
         self._registry = registry
         self._catalog = catalog
         self._retiring = retiring  # replica ids the router must send nothing new
+        self.book: AdapterBook = _NoAdapters()  # the adapter manager, set by the assembly
         self._version = 0
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
         self._traffic: dict[str, core.TrafficSplit] = {}
         self._holds: dict[str, Hold] = {}
+        self._adapters: dict[str, AdapterRoute] = {}
         self._stale = True
 
     def __repr__(self) -> str:
@@ -100,6 +131,12 @@ class FleetEndpoints:
             self._recompute()
         return self._holds
 
+    def adapters(self) -> Mapping[str, AdapterRoute]:
+        """Each catalog adapter's route (its base's first served name, scale, tenants)."""
+        if self._stale:
+            self._recompute()
+        return self._adapters
+
     def refresh(self) -> None:
         """Something changed: recompute when the list is next read.
 
@@ -112,7 +149,9 @@ class FleetEndpoints:
         self._stale = False
         catalog = self._catalog()
         served: dict[str, list[Endpoint]] = {name: [] for m in catalog.models for name in m.names}
-        retiring = self._retiring()
+        adapters = {a.name: a for a in catalog.adapters if catalog.model(a.base) is not None}
+        served.update((name, []) for name in adapters)
+        retiring = set(self._retiring()) | set(self.book.out())
         for rec in self._registry.records():
             if rec.liveness.state is core.NodeState.LOST:
                 continue
@@ -122,7 +161,10 @@ class FleetEndpoints:
                     continue
                 if s.replica_id is not None and s.replica_id in retiring:
                     continue
-                for name in m.names:
+                held = self.book.held(s.replica_id, s)
+                names = [*m.names]
+                names += [a for a in held if a in adapters and adapters[a].base == m.name]
+                for name in names:
                     served[name].append(
                         Endpoint(
                             endpoint_id=endpoint_id(s.replica_id, rec.node_id),
@@ -130,6 +172,7 @@ class FleetEndpoints:
                             engine=s.engine,
                             host=rec.host,
                             port=s.port,
+                            adapters=held,
                         )
                     )
         snapshot = {
@@ -137,10 +180,26 @@ class FleetEndpoints:
         }
         traffic = {t.name: _served_now(t, catalog) for t in catalog.traffic}
         holds = _holds(catalog)
-        if snapshot != self._snapshot or traffic != self._traffic or holds != self._holds:
+        holds.update((name, Hold(ADAPTER_HOLD_MAX, ADAPTER_WAIT_S)) for name in adapters)
+        routes = {
+            a.name: AdapterRoute(
+                base=catalog.model(a.base).names[0],  # type: ignore[union-attr]  # kept above
+                scale=a.scale,
+                tenants=None if a.tenants is None else tuple(a.tenants),
+                loading=self.book.loading(a.name),
+            )
+            for a in adapters.values()
+        }
+        if (snapshot, traffic, holds, routes) != (
+            self._snapshot,
+            self._traffic,
+            self._holds,
+            self._adapters,
+        ):
             self._snapshot = snapshot
             self._traffic = traffic
             self._holds = holds
+            self._adapters = routes
             self._version += 1
 
 
@@ -184,10 +243,11 @@ def encode_endpoints(
     snapshot: Mapping[str, tuple[Endpoint, ...]],
     traffic: Mapping[str, core.TrafficSplit] | None = None,
     holds: Mapping[str, Hold] | None = None,
+    adapters: Mapping[str, AdapterRoute] | None = None,
 ) -> str:
     """The list as published: {"models": {name: [endpoint, ...]}, "traffic": {...},
-    "holds": {...}} (sorted, stable; the splits and holds in `llmgw.router`'s
-    `encode_traffic` and `encode_holds` forms)."""
+    "holds": {...}, "adapters": {...}} (sorted, stable; the splits, holds and adapters
+    in `llmgw.router`'s `encode_traffic`, `encode_holds` and `encode_adapters` forms)."""
     return json.dumps(
         {
             "models": {
@@ -198,6 +258,7 @@ def encode_endpoints(
                         "host": e.host,
                         "port": e.port,
                         "slots": e.slots,
+                        "adapters": list(e.adapters),
                     }
                     for e in eps
                 ]
@@ -205,6 +266,7 @@ def encode_endpoints(
             },
             "traffic": encode_traffic(traffic or {}),
             "holds": encode_holds(holds or {}),
+            "adapters": encode_adapters(adapters or {}),
         },
         sort_keys=True,
     )
@@ -218,6 +280,12 @@ def decode_published(
     models = decode_endpoints(text)
     data = json.loads(text)
     return models, decode_traffic(data.get("traffic")), decode_holds(data.get("holds"))
+
+
+def decode_published_adapters(text: str) -> dict[str, AdapterRoute]:
+    """The published adapters back (a leader from before adapters published none)."""
+    data = json.loads(text)
+    return decode_adapters(data.get("adapters") if isinstance(data, dict) else None)
 
 
 def decode_endpoints(text: str) -> dict[str, tuple[Endpoint, ...]]:
@@ -250,7 +318,10 @@ def decode_endpoints(text: str) -> dict[str, tuple[Endpoint, ...]]:
                 raise ValueError(f"model {name!r}: endpoint {eid!r}: port {port!r} is not a port")
             if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)):
                 raise ValueError(f"model {name!r}: endpoint {eid!r}: slots {slots!r}")
-            parsed.append(Endpoint(eid, name, engine, host, port, slots))
+            held = e.get("adapters") or []
+            if not isinstance(held, list) or not all(isinstance(a, str) for a in held):
+                raise ValueError(f"model {name!r}: endpoint {eid!r}: adapters {held!r:.80}")
+            parsed.append(Endpoint(eid, name, engine, host, port, slots, tuple(held)))
         out[name] = tuple(parsed)
     return out
 
@@ -293,7 +364,10 @@ class EndpointPublisher:
             try:
                 src = self._source
                 ok = await self._store.publish_endpoints(
-                    mark[0], encode_endpoints(src.snapshot(), src.traffic(), holds_of(src))
+                    mark[0],
+                    encode_endpoints(
+                        src.snapshot(), src.traffic(), holds_of(src), adapters_of(src)
+                    ),
                 )
             except LlmgwError as exc:
                 log.warning("publishing the endpoint list failed (retried): %s", exc)
@@ -318,6 +392,7 @@ class PublishedEndpoints:
         self._snapshot: dict[str, tuple[Endpoint, ...]] = {}
         self._traffic: dict[str, core.TrafficSplit] = {}
         self._holds: dict[str, Hold] = {}
+        self._adapters: dict[str, AdapterRoute] = {}
         self._seen: tuple[int, str] | None = None
         self.reading = True  # False while this control plane leads: nothing to read
 
@@ -333,6 +408,9 @@ class PublishedEndpoints:
 
     def holds(self) -> Mapping[str, Hold]:
         return self._holds
+
+    def adapters(self) -> Mapping[str, AdapterRoute]:
+        return self._adapters
 
     def adopt(
         self,
@@ -354,6 +432,10 @@ class PublishedEndpoints:
         if (epoch, body) == self._seen:
             return
         self._seen = (epoch, body)
+        adapters = decode_published_adapters(body)
+        if adapters != self._adapters:
+            self._adapters = adapters
+            self._version += 1
         self._set(*decode_published(body))
 
     def _set(
@@ -482,3 +564,8 @@ class RoleEndpoints:
         """The fleet's (its catalog's) while leading, the published ones otherwise."""
         src = self._current()
         return holds_of(self._fleet if src is not self._published else src)
+
+    def adapters(self) -> Mapping[str, AdapterRoute]:
+        """The fleet's (its catalog's) while leading, the published ones otherwise."""
+        src = self._current()
+        return adapters_of(self._fleet if src is not self._published else src)

@@ -5,6 +5,10 @@ rank's engine port and the leader's rendezvous port (free on its host, counting
 those of the shards reported and of the starts still in flight), the socket
 interface the node names for the chosen fabric, and turns the engine's launch
 plan (llmgw/engines) into a `model.ShardSpec` per rank, the leader first.
+
+`relaunch_spec` is a running one-node replica's spec again with another list of LoRA
+adapters (what llama-server needs to hold another adapter: llmgw/cp/_fleet/_adapters.py):
+the same port, cards and fingerprint, from the profile it was started from.
 """
 
 from __future__ import annotations
@@ -75,3 +79,45 @@ def shard_specs(
         )
         out.append((r.node_id, spec))
     return out
+
+
+def relaunch_spec(
+    catalog: Catalog,
+    m: CatalogModel,
+    profile: Profile,
+    shard: model.ShardReport,
+    record: NodeRecord,
+    adapters: tuple[tuple[str, str], ...],
+) -> model.ShardSpec:
+    """`shard`'s spec (a one-node replica of `m` from `profile`, on `record`'s node) with
+    `adapters` ((name, source), in the engine's order) held from launch."""
+    if shard.ranks != 1 or shard.port is None or shard.replica_id is None:
+        raise ValueError(f"shard {shard.shard_id} is not a running one-node replica")
+    by_uuid = {g.uuid: g for g in record.inventory.gpus or ()}
+    missing = [u for u in shard.gpus if u not in by_uuid]
+    if missing:
+        raise ValueError(f"node {record.node_id} no longer lists card(s) {', '.join(missing)}")
+    assignment = engines.Assignment(
+        rank=0,
+        node_addresses=(record.host,),
+        gpus=tuple(by_uuid[u] for u in shard.gpus),
+        port=shard.port,
+        rendezvous_port=shard.port,  # one node: nothing meets there
+    )
+    eprofile = attrs.evolve(
+        engine_profile(m, profile),
+        adapters=tuple(engines.LaunchAdapter(name, source) for name, source in adapters),
+    )
+    launch = engines.plan_launch(eprofile, assignment)
+    spec = to_shard_spec(shard.shard_id, eprofile, launch, fingerprint=shard.profile_fingerprint)
+    return attrs.evolve(
+        spec,
+        replica_id=shard.replica_id,
+        model_name=m.name,
+        rank=0,
+        ranks=1,
+        gpus=tuple(shard.gpus),
+        source=m.source,
+        adapters=tuple(name for name, _ in adapters),
+        adapter_sources=tuple(source for _, source in adapters),
+    )
