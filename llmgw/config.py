@@ -256,6 +256,8 @@ class ServerConfig:
     )  # the catalog: llmgw.cp._fleet._catalog
     # Served names split between catalog models by weight (canaries): llmgw.cp._fleet._traffic.
     traffic: dict[str, Any] | None = None
+    # LoRA adapters served on catalog models' replicas: llmgw.cp._fleet._catalog_adapters.
+    adapters: list[dict[str, Any]] = attrs.field(factory=list)
     mirror: MirrorConfig = attrs.field(factory=MirrorConfig)  # llmgw.cp._weights._mirror
     # The engines every node installs, by name; null: none declared (llmgw.cp._fleet._engines).
     engines: dict[str, Any] | None = None

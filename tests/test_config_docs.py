@@ -135,6 +135,7 @@ LOADED = [
     _catalog.Autoscale,
     _catalog.AutoscaleTarget,
     _catalog.Profile,
+    _catalog.CatalogAdapter,
     _traffic.TrafficEntry,
 ]
 

@@ -58,6 +58,8 @@ class EngineProfile:
     quantization: str | None = None
     engine_args: tuple[str, ...] = ()
     port_range: tuple[int, int] | None = None
+    max_adapters: int = 0
+    max_adapter_rank: int | None = None
 
 
 @attrs.frozen

@@ -42,8 +42,12 @@ def vllm(version: str) -> model.EngineDecl:
 
 
 def before_versions_counted(m: CatalogModel, p: Profile) -> str:
-    """The fingerprint as llmgw computed it before engine versions were in it."""
-    body = {"source": m.source, "served_names": list(m.names), "profile": config.unstructure(p)}
+    """The fingerprint as llmgw computed it before engine versions were in it (and before
+    a profile had the adapter keys, which stay out of it while unset)."""
+    shape = config.unstructure(p)
+    for key in ("max_adapters", "max_adapter_rank"):
+        assert shape.pop(key) is None
+    body = {"source": m.source, "served_names": list(m.names), "profile": shape}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -170,6 +174,22 @@ def test_a_new_engine_version_rolls_and_waits_while_the_nodes_install_it() -> No
     with pytest.raises(UsageError, match="declare the previous version under engines:"):
         r.undo("tiny", V2)
     assert r.status("tiny").pin is None  # type: ignore[union-attr]
+
+
+def test_undo_knows_an_entry_stored_before_the_adapter_keys_existed() -> None:
+    """A version the store kept from before a profile had max_adapters/max_adapter_rank
+    lacks those keys; it is still the same entry as the file's, so the undo of a rollout
+    that changed only the engine version is refused as such."""
+    (fp1,) = V1.fingerprints(ONE)
+    r = Rollouts(clock=lambda: 100.0)
+    passes(r, V1, {"a": fp1})
+    passes(r, V2, {"a": fp1})
+    mr = r.status("tiny")
+    assert mr is not None and mr.previous is not None
+    for profile in mr.previous.spec["profiles"]:
+        assert (profile.pop("max_adapters"), profile.pop("max_adapter_rank")) == (None, None)
+    with pytest.raises(UsageError, match="declare the previous version under engines:"):
+        r.undo("tiny", V2)
 
 
 def test_the_running_catalog_keeps_the_declared_versions_through_an_undo() -> None:

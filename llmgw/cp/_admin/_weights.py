@@ -33,12 +33,12 @@ class Weights:
         )
 
     def _catalog_sources(self) -> list[tuple[str, str]]:
-        """(model, source) for every catalog model; none when this control plane runs no
-        catalog (then every cache entry is unwanted, and the agents still keep what their
-        shards use)."""
+        """(who wants it, source) for every catalog model and adapter (`NAME (adapter of
+        BASE)`); none when this control plane runs no catalog (then every cache entry is
+        unwanted, and the agents still keep what their shards use)."""
         if self._catalog is None:
             return []
-        return [(m.name, m.source) for m in self._catalog.catalog.models]
+        return self._catalog.catalog.weight_sources()
 
     def _node_weights(
         self, only: str | None = None
@@ -114,8 +114,9 @@ class Weights:
             for p in paths:
                 wants = _holdings.catalog_wants(p, w.weights_dir, pairs)
                 if wants:
+                    what = "adapter" if all(" (adapter of " in w for w in wants) else "model"
                     detail = (f"{p}: {_holdings.WANTED} ({', '.join(wants)}); remove the "
-                              "model from the catalog first")  # fmt: skip
+                              f"{what} from the catalog first")  # fmt: skip
                     ours.append({"path": p, "reason": _holdings.WANTED, "detail": detail})
             asks.append((rec, tuple(paths), total, ours))
         results: dict[str, dict[str, Any]] = {}

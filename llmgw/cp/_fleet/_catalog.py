@@ -8,7 +8,10 @@ plane restart. The fingerprint holds the source, the served names, the profile
 and, when server.yaml's `engines:` declares the profile's engine, its declared
 version (`Catalog.engine_versions`): declaring another version rolls the models
 that run it. An engine not declared adds nothing, so a fleet without `engines:`
-keeps the fingerprints it had before versions counted.
+keeps the fingerprints it had before versions counted. Likewise a profile's
+`max_adapters`/`max_adapter_rank` enter its fingerprint only once set, and the
+`adapters:` section (llmgw/cp/_fleet/_catalog_adapters.py) never does: adding an
+adapter rolls nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any
 import attrs
 
 from llmgw import config, core, engines, model
-from llmgw.cp._fleet import _traffic
+from llmgw.cp._fleet import _catalog_adapters, _traffic
+from llmgw.cp._fleet._catalog_adapters import CatalogAdapter as CatalogAdapter
 from llmgw.errors import ConfigError
 
 _CLASS = re.compile(r"^[a-z0-9][a-z0-9-]*-\d+g$")
@@ -44,6 +48,10 @@ class Profile:
     engine_args: list[str] = attrs.field(factory=list)
     startup_timeout_s: float = 900.0
     port_range: list[int] | None = None
+    # LoRA adapters (server.yaml `adapters:`): the most one replica holds at once; None:
+    # the replica takes none. Their highest rank; None: the engine's default.
+    max_adapters: int | None = None
+    max_adapter_rank: int | None = None
 
     @property
     def cards(self) -> int:
@@ -144,6 +152,7 @@ class CatalogFile:
     """The catalog's part of server.yaml (the rest is ServerConfig's)."""
 
     models: list[CatalogModel] = attrs.field(factory=list)
+    adapters: list[CatalogAdapter] = attrs.field(factory=list)  # llmgw.cp._fleet._catalog_adapters
 
 
 @attrs.frozen
@@ -154,12 +163,26 @@ class Catalog:
     # server.yaml's `engines:`: (engine, declared version), sorted by engine; () when
     # nothing is declared. Filled where the file's two parts meet (`with_engines`).
     engine_versions: tuple[tuple[str, str], ...] = ()
+    # server.yaml's `adapters:`: LoRA adapters on the models' replicas; no fingerprint holds them
+    adapters: tuple[CatalogAdapter, ...] = ()
 
     def model(self, name: str) -> CatalogModel | None:
         return next((m for m in self.models if m.name == name), None)
 
     def by_served_name(self) -> dict[str, CatalogModel]:
         return {served: m for m in self.models for served in m.names}
+
+    def adapter(self, name: str) -> CatalogAdapter | None:
+        return next((a for a in self.adapters if a.name == name), None)
+
+    def adapters_of(self, model_name: str) -> tuple[CatalogAdapter, ...]:
+        """The adapters whose base is `model_name`, in the file's order."""
+        return tuple(a for a in self.adapters if a.base == model_name)
+
+    def weight_sources(self) -> list[tuple[str, str]]:
+        """(who wants it, source) for every source the catalog wants on the nodes: its
+        models' and its adapters' (`NAME (adapter of BASE)`)."""
+        return _catalog_adapters.weight_sources(self.models, self.adapters)
 
     def fingerprint(self, m: CatalogModel, profile: Profile) -> str:
         """The fingerprint of `profile` of `m` in this catalog: with its engine's
@@ -183,10 +206,14 @@ def fingerprint(m: CatalogModel, profile: Profile, engine_version: str | None = 
     go through `Catalog.fingerprint`, which knows the declared engine version; None
     (not declared) leaves the body as it was before versions counted, so fleets
     without `engines:` are not rolled by an upgrade."""
+    shape = config.unstructure(profile)
+    for key in ("max_adapters", "max_adapter_rank"):  # unset: the body as before adapters
+        if shape.get(key) is None:
+            del shape[key]
     body: dict[str, object] = {
         "source": m.source,
         "served_names": list(m.names),
-        "profile": config.unstructure(profile),
+        "profile": shape,
     }
     if engine_version is not None:
         body["engine_version"] = engine_version
@@ -208,6 +235,8 @@ def engine_profile(model: CatalogModel, profile: Profile) -> engines.EngineProfi
         quantization=profile.quantization,
         engine_args=tuple(profile.engine_args),
         port_range=port_range,  # type: ignore[arg-type]
+        max_adapters=profile.max_adapters or 0,
+        max_adapter_rank=profile.max_adapter_rank,
     )
 
 
@@ -243,6 +272,8 @@ def validate_catalog(catalog: Catalog, source: str, problems: list[str] | None =
             problems.append(f"{where}.profiles: at least one profile is needed")
         for j, p in enumerate(m.profiles):
             problems += _profile_problems(m, p, f"{where}.profiles[{j}]")
+    splits = [s.name for s in catalog.traffic]
+    problems += _catalog_adapters.adapter_problems(catalog.adapters, catalog.models, splits)
     if problems:
         raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
 
@@ -283,6 +314,7 @@ def _profile_problems(model: CatalogModel, p: Profile, where: str) -> list[str]:
         problems.append(f"{where}.port_range: {p.port_range} is not [first, last] ports")
     if p.startup_timeout_s <= 0:
         problems.append(f"{where}.startup_timeout_s: must be positive")
+    problems += _catalog_adapters.profile_problems(p.max_adapters, p.max_adapter_rank, where)
     if problems:
         return problems
     try:
@@ -295,7 +327,8 @@ def _profile_problems(model: CatalogModel, p: Profile, where: str) -> list[str]:
 def parse(data: Any, source: str) -> Catalog:
     """The catalog from server.yaml's parsed data (other keys are ServerConfig's)."""
     models = data.get("models", []) if isinstance(data, dict) else []
-    parsed = config.structure({"models": models}, CatalogFile, source)
+    adapters = data.get("adapters", []) if isinstance(data, dict) else []
+    parsed = config.structure({"models": models, "adapters": adapters}, CatalogFile, source)
     traffic = data.get("traffic") if isinstance(data, dict) else None
     splits, problems = _traffic.parse(traffic, tuple(parsed.models), source)
     for i, raw in enumerate(models if isinstance(models, list) else ()):
@@ -304,6 +337,6 @@ def parse(data: Any, source: str) -> Catalog:
                 f"models[{i}]: replicas and autoscale are both set: autoscale sets the count "
                 "between its min and max; leave replicas out"
             )
-    catalog = Catalog(models=tuple(parsed.models), traffic=splits)
+    catalog = Catalog(models=tuple(parsed.models), adapters=tuple(parsed.adapters), traffic=splits)
     validate_catalog(catalog, source, problems)
     return catalog

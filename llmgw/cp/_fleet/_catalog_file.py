@@ -58,7 +58,15 @@ class CatalogFile:
         self._stamp = self._mtime()
 
     def __repr__(self) -> str:
-        return f"<CatalogFile {self.path} models={len(self.catalog.models)} loads={self.loads}>"
+        return (
+            f"<CatalogFile {self.path} models={len(self.catalog.models)} "
+            f"adapters={len(self.catalog.adapters)} loads={self.loads}>"
+        )
+
+    @property
+    def adapters(self) -> tuple[_catalog.CatalogAdapter, ...]:
+        """The running catalog's `adapters:`."""
+        return self.catalog.adapters
 
     def _mtime(self) -> tuple[int, int] | None:
         try:
@@ -76,9 +84,9 @@ class CatalogFile:
     ) -> bool:
         """Read the file again; False (and the running catalog and engines stay) when it
         is refused. `on_change` is called when the catalog changed (its models, its
-        splits, or a model's fingerprints: a new version of an engine a model runs),
-        `on_engines` with the new declaration when its fingerprint changed (None: the
-        `engines:` key went away)."""
+        splits, its adapters, or a model's fingerprints: a new version of an engine a
+        model runs), `on_engines` with the new declaration when its fingerprint changed
+        (None: the `engines:` key went away)."""
         try:
             data = read_data(self.path)
             catalog = _catalog.parse(data, str(self.path))
@@ -96,9 +104,10 @@ class CatalogFile:
             return False
         # A new declared version changes the fingerprints of the profiles running it:
         # that is a change of the catalog, as an edit of those models would be.
-        changed = (catalog.models, catalog.traffic) != (
+        changed = (catalog.models, catalog.traffic, catalog.adapters) != (
             self.catalog.models,
             self.catalog.traffic,
+            self.catalog.adapters,
         ) or any(catalog.fingerprints(m) != self.catalog.fingerprints(m) for m in catalog.models)
         before = self.engines.fingerprint if self.engines is not None else None
         after = engines.fingerprint if engines is not None else None
@@ -106,9 +115,10 @@ class CatalogFile:
         self.engines = engines
         self.loads += 1
         log.info(
-            "catalog reloaded (%s): %d models%s%s",
+            "catalog reloaded (%s): %d models, %d adapters%s%s",
             why,
             len(catalog.models),
+            len(catalog.adapters),
             "" if changed else ", unchanged",
             "" if before == after else f", engines {before or 'none'} -> {after or 'none'}",
         )

@@ -298,7 +298,8 @@ class Rollouts:
                     f"{name}: the version before this rollout is not known here (the control "
                     "plane first saw the model at its new version): edit server.yaml back"
                 )
-            if back.spec == config.unstructure(file_model):
+            # Compared as models: a spec stored before a key existed lacks it.
+            if config.structure(back.spec, CatalogModel, f"undo of {name}") == file_model:
                 engines = ", ".join(f"{e} {v}" for e, v in file_catalog.engine_versions)
                 raise UsageError(
                     f"{name}: its entry in server.yaml is what it was before this rollout; "
