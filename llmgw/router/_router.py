@@ -218,7 +218,7 @@ class Router:
         for an unknown model. A route without a prompt (embeddings, audio) is explained
         with no prompt: its choice is by load alone.
         """
-        return explanation(self.fleet, model, self._prompt(path, request), affinity)
+        return explanation(self.fleet, model, self._prompt(path, request, model), affinity)
 
     # --- background ------------------------------------------------------------------------
 
