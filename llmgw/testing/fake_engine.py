@@ -92,7 +92,8 @@ Endpoints, as the imitated engine has them:
   `/fake/tokens` too) and counted there only, never in the others, never
   failed by LLMGW_FAKE_FAIL_RATE, so the counts above are the clients'. An
   inference request ends as exactly one of completed, cancelled (the client
-  closed the connection first) or failed (an error status).
+  closed the connection first) or failed (an error status). `adapter_loads`,
+  `adapter_unloads`: the LoRA loads and unloads that succeeded (vLLM, SGLang).
 
 A request generates while it holds one of the engine's slots: vLLM's
 `--max-num-seqs` (default 256), SGLang's `--max-running-requests` (256),
@@ -400,7 +401,10 @@ class FakeEngine:
         await ex.send(Reply(200, dumps({"version": self.config.version})))
 
     async def _stats(self, ex: Exchange, _: bytes) -> None:
-        await ex.send(Reply(200, dumps({**self.state.statistics(), "probes": self.probes})))
+        a = self.adapters
+        stats = {**self.state.statistics(), "probes": self.probes}
+        stats |= {"adapter_loads": a.loads, "adapter_unloads": a.unloads}
+        await ex.send(Reply(200, dumps(stats)))
 
     async def _metrics(self, ex: Exchange, _: bytes) -> None:
         engine = self.config.engine

@@ -15,6 +15,8 @@ from typing import Any
 import attrs
 import pytest
 from helpers import llama_server_binary
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmgw.engines import (
     AdapterApi,
@@ -31,6 +33,7 @@ from llmgw.engines import (
     validate,
     widest_command,
 )
+from llmgw.engines._common import flags_in
 from llmgw.model import Gpu
 from llmgw.testing._fake_engine_cli import help_text
 
@@ -273,6 +276,50 @@ def test_adapter_request_leaves_the_body_alone() -> None:
         adapter_request(engine, body, adapter=None, held=("sql",), scale=1.0)
         adapter_request(engine, body, adapter="sql", held=("sql",), scale=1.0)
     assert body == {**CHAT, "lora_path": "x"}
+
+
+NAMES = st.lists(st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True), unique=True, max_size=6)
+
+
+@given(NAMES, st.data(), st.floats(0.05, 4.0))
+def test_llama_lists_each_held_adapter_once_and_scales_only_the_asked_one(
+    held: list[str], data: st.DataObject, scale: float
+) -> None:
+    adapter = data.draw(st.sampled_from([None, *held]))
+    out = adapter_request("llama-server", CHAT, adapter=adapter, held=held, scale=scale)
+    if not held:
+        assert out == CHAT
+        return
+    assert [entry["id"] for entry in out["lora"]] == list(range(len(held)))
+    scaled = [(entry["id"], entry["scale"]) for entry in out["lora"] if entry["scale"]]
+    assert scaled == ([] if adapter is None else [(held.index(adapter), scale)])
+
+
+@given(
+    st.sampled_from(["vllm", "sglang", "llama-server"]),
+    st.integers(0, 8),
+    st.sampled_from([None, 8, 16, 64, 512]),
+    NAMES,
+)
+def test_adapter_plans_use_only_flags_of_the_widest_command(
+    engine: Any, count: int, rank: int | None, names: list[str]
+) -> None:
+    gpu = engine != "llama-server"
+    held = tuple(LaunchAdapter(n, f"/a/{n}.gguf") for n in names[:count]) if not gpu else ()
+    profile = EngineProfile(
+        engine=engine,
+        model="/m",
+        gpu_class="h100-80g" if gpu else None,
+        gpus_per_node=1 if gpu else 0,
+        max_adapters=count,
+        max_adapter_rank=rank if rank is not None or engine != "sglang" else 16,
+        adapters=held,
+    )
+    validate(profile)
+    argv = engine_argv(profile, ONE_GPU if gpu else CPU)
+    assert set(flags_in(argv)) <= set(flags_in(widest_command(engine)))
+    assert argv.count("--lora-scaled") == len(held)
+    assert ("--enable-lora" in argv or "--cache-ram" in argv) == (count > 0)
 
 
 # --- listings -------------------------------------------------------------------------

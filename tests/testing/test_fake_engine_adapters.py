@@ -197,6 +197,8 @@ async def test_vllm_adapter_api(tmp_path: Path) -> None:
             "Success: LoRA adapter 'sql' removed successfully.",
         )
         assert await fake.listed("vllm") == ("chat", "code")
+        stats = (await fake.client.get("/fake/stats")).json()
+        assert (stats["adapter_loads"], stats["adapter_unloads"]) == (3, 1)
         gone = await fake.chat(body)
         assert gone.status_code == 404
         assert gone.json()["error"]["message"] == "The model `sql` does not exist."
@@ -256,6 +258,8 @@ async def test_sglang_adapter_api(tmp_path: Path) -> None:
             "loaded_adapters": {"chat": paths["chat"]},
         }
         assert await fake.listed("sglang") == ("chat",)
+        stats = (await fake.client.get("/fake/stats")).json()
+        assert (stats["adapter_loads"], stats["adapter_unloads"]) == (2, 1)
 
 
 async def test_sglang_without_a_rank_does_not_start() -> None:
