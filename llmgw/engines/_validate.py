@@ -98,18 +98,18 @@ def lora_problems(profile: EngineProfile) -> list[str]:
         problems.append(f"max_adapter_rank must be 1 or more, not {rank}")
     held = profile.adapters
     if len(held) > max(count, 0):
-        names = ", ".join(a.name for a in held)
+        listed = ", ".join(a.name for a in held)
         problems.append(
-            f"adapters holds {plural(len(held), 'adapter')} ({names}) but max_adapters is "
+            f"adapters holds {plural(len(held), 'adapter')} ({listed}) but max_adapters is "
             f"{count}: make max_adapters at least {len(held)}"
         )
-    seen: set[str] = set()
+    names = [a.name for a in held]
+    for name in dict.fromkeys(names):
+        if names.count(name) > 1:
+            problems.append(f"adapter name {name!r} appears {names.count(name)} times in adapters")
     for a in held:
         if not a.name or a.name != a.name.strip():
             problems.append(f"adapter name {a.name!r} is empty or has spaces around it")
-        elif a.name in seen:
-            problems.append(f"adapter name {a.name!r} appears more than once in adapters")
-        seen.add(a.name)
         if not a.source.strip():
             problems.append(f"adapter {a.name!r} has an empty source")
         elif engine == "llama-server" and (
@@ -127,6 +127,13 @@ def lora_problems(profile: EngineProfile) -> list[str]:
             f"max_adapter_rank {rank} is not one vLLM takes for --max-lora-rank "
             f"({allowed}): pick the next one up"
         )
+    servers = _api_server_count(profile.engine_args) if engine == "vllm" else None
+    if servers is not None and servers > 1:
+        problems.append(
+            f"engine_args sets --api-server-count {servers}; vLLM refuses its run-time "
+            "adapter loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) with more than one API "
+            "server: remove it, or set max_adapters 0"
+        )
     if engine == "sglang" and rank is None:
         problems.append(
             f"sglang with max_adapters {count} needs max_adapter_rank: it starts with no "
@@ -138,6 +145,17 @@ def lora_problems(profile: EngineProfile) -> list[str]:
             f"engine_args sets {flag}, which llmgw sets itself for max_adapters {count}: remove it"
         )
     return problems
+
+
+def _api_server_count(engine_args: Sequence[str]) -> int | None:
+    """The last `--api-server-count`/`-asc` value in engine_args (vLLM keeps the last)."""
+    found: int | None = None
+    for i, token in enumerate(engine_args):
+        flag, eq, inline = token.partition("=")
+        if flag in ("--api-server-count", "--api_server_count", "-asc"):
+            value = inline if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
+            found = int(value) if value.isdigit() else found
+    return found
 
 
 def group_problems(

@@ -27,6 +27,8 @@ N = TypeVar("N", int, float)
 PREFIX_BLOCK_TOKENS = 16
 Engine = Literal["vllm", "llama-server", "sglang"]
 ENGINES: tuple[Engine, ...] = ("vllm", "llama-server", "sglang")
+# What --version prints. The LoRA routes and flags (_fake_engine_adapters) follow
+# vLLM 0.34.0 and SGLang 0.5.23, as llmgw/engines/_adapters.py does.
 VERSIONS: dict[Engine, str] = {"vllm": "0.10.1.1", "llama-server": "6123", "sglang": "0.4.10"}
 DEFAULT_PORT: dict[Engine, int] = {"vllm": 8000, "llama-server": 8080, "sglang": 30000}
 # vLLM binds every interface when --host is absent; the other two bind loopback.

@@ -372,8 +372,8 @@ def test_launch_adapters_need_room_and_unique_names() -> None:
     assert problems(attrs.evolve(llama, max_adapters=1, adapters=(a, b))) == (
         "adapters holds 2 adapters (sql, chat) but max_adapters is 1: make max_adapters at least 2",
     )
-    assert problems(attrs.evolve(llama, max_adapters=2, adapters=(a, a))) == (
-        "adapter name 'sql' appears more than once in adapters",
+    assert problems(attrs.evolve(llama, max_adapters=3, adapters=(a, a, b))) == (
+        "adapter name 'sql' appears 2 times in adapters",
     )
     blank = LaunchAdapter(" sql", "")
     assert problems(attrs.evolve(llama, max_adapters=1, adapters=(blank,))) == (
@@ -403,6 +403,25 @@ def test_vllm_takes_only_its_listed_ranks() -> None:
     validate(attrs.evolve(vllm, max_adapter_rank=320))
     # Without adapters the rank is never written, so it is not checked.
     validate(attrs.evolve(vllm, max_adapters=0, max_adapter_rank=24))
+
+
+def test_vllm_runtime_loading_needs_one_api_server() -> None:
+    """vLLM 0.34.0 vllm/entrypoints/cli/serve.py: "VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    cannot be used with api_server_count > 1"."""
+    vllm = EngineProfile(
+        engine="vllm",
+        model="/m",
+        gpu_class="h100-80g",
+        max_adapters=2,
+        engine_args=("--api-server-count", "4"),
+    )
+    assert problems(vllm) == (
+        "engine_args sets --api-server-count 4; vLLM refuses its run-time adapter loading "
+        "(VLLM_ALLOW_RUNTIME_LORA_UPDATING) with more than one API server: remove it, or "
+        "set max_adapters 0",
+    )
+    validate(attrs.evolve(vllm, engine_args=("-asc=1",)))
+    validate(attrs.evolve(vllm, max_adapters=0))
 
 
 def test_sglang_needs_a_rank() -> None:
