@@ -2,9 +2,17 @@
 
 Pure: no I/O, no trio, no subprocess. The agent's supervisor performs a
 `LaunchPlan`; `llmgw ctl engine-check` checks `widest_command` against the
-engine's `--help` with `check_flags`; the scraper reads `metric_names`.
+engine's `--help` with `check_flags`; the scraper reads `metric_names`. LoRA
+adapters: `adapter_api` (a load or unload as an `HttpCall`), `adapter_request`
+(a request in the engine's form), `listed_adapters` (what its listing says).
 """
 
+from llmgw.engines._adapters import (
+    AdapterApi,
+    adapter_api,
+    adapter_request,
+    listed_adapters,
+)
 from llmgw.engines._flags import check_flags, help_warnings
 from llmgw.engines._load import EngineLoad, parse_load, parse_samples, slots_usage
 from llmgw.engines._plan import help_commands, metric_names, plan_launch, widest_command
@@ -16,6 +24,8 @@ from llmgw.engines._types import (
     EngineName,
     EngineProfile,
     FlagCheck,
+    HttpCall,
+    LaunchAdapter,
     LaunchPlan,
     MetricNames,
     MultinodeMode,
@@ -28,21 +38,27 @@ __all__ = [
     "ENGINES",
     "PROBE_HEADER",
     "PROBE_PATH",
+    "AdapterApi",
     "Assignment",
     "EngineConfigError",
     "EngineLoad",
     "EngineName",
     "EngineProfile",
     "FlagCheck",
+    "HttpCall",
+    "LaunchAdapter",
     "LaunchPlan",
     "MetricNames",
     "MultinodeMode",
     "ProcessRole",
     "ProcessSpec",
+    "adapter_api",
+    "adapter_request",
     "check_flags",
     "generates",
     "help_commands",
     "help_warnings",
+    "listed_adapters",
     "metric_names",
     "parse_load",
     "parse_samples",

@@ -20,6 +20,7 @@ tp 1, pp 1, and simply gets `gpus_per_node` cards.
 
 from __future__ import annotations
 
+from llmgw.engines import _adapters
 from llmgw.engines._common import (
     BIND_HOST,
     HEALTH_PATH,
@@ -86,6 +87,7 @@ def plan(profile: EngineProfile, assignment: Assignment, *, program: str = PROGR
     argv.append("--metrics")
     if profile.served_names:
         argv += ["--alias", ",".join(profile.served_names)]
+    argv += _adapters.launch_args(profile)
     argv += profile.engine_args
     engine = ProcessSpec(
         name="engine", argv=tuple(argv), env=tuple(gpu_env(assignment)), role="engine"

@@ -11,6 +11,7 @@ from llmgw.engines._types import (
     Assignment,
     EngineConfigError,
     EngineProfile,
+    LaunchAdapter,
     LaunchPlan,
     MetricNames,
 )
@@ -79,7 +80,7 @@ def widest_command(engine: str) -> tuple[str, ...]:
 
     Built by planning the shapes that between them produce every flag
     (multi-node leader and worker ranks, pipeline parallelism, quantization,
-    served names) and merging their engine command lines, so it cannot drift
+    served names, LoRA adapters) and merging their engine command lines, so it cannot drift
     from what `plan_launch` writes. Values are placeholders. Ray's own
     commands (vLLM multi-node) are not part of it: Ray is another program
     with another help.
@@ -88,7 +89,12 @@ def widest_command(engine: str) -> tuple[str, ...]:
         raise _unknown(engine)
     if engine == "llama-server":
         profile = EngineProfile(
-            engine="llama-server", model="MODEL", served_names=("NAME",), gpus_per_node=0
+            engine="llama-server",
+            model="MODEL",
+            served_names=("NAME",),
+            gpus_per_node=0,
+            max_adapters=1,
+            adapters=(LaunchAdapter("ADAPTER", "ADAPTER_SOURCE"),),
         )
         return _llamacpp.plan(profile, _assignment(0, gpus=False)).processes[-1].argv
     base = EngineProfile(
@@ -101,6 +107,8 @@ def widest_command(engine: str) -> tuple[str, ...]:
         tp=1,
         pp=2,
         quantization="QUANTIZATION",
+        max_adapters=2,
+        max_adapter_rank=16,
     )
     shapes = [base, attrs.evolve(base, multinode="native")] if engine == "vllm" else [base]
     commands: list[tuple[str, ...]] = []

@@ -22,6 +22,7 @@ to SGLang's default port 30000, which another replica on the node may hold.
 
 from __future__ import annotations
 
+from llmgw.engines import _adapters
 from llmgw.engines._common import (
     BIND_HOST,
     HEALTH_PATH,
@@ -93,6 +94,7 @@ def plan(profile: EngineProfile, assignment: Assignment, *, program: str = PROGR
     if profile.quantization is not None:
         argv += ["--quantization", profile.quantization]
     argv += ["--enable-metrics", "--enable-cache-report"]
+    argv += _adapters.launch_args(profile)  # every rank: server args must agree
     if profile.nodes > 1:
         argv += [
             "--nnodes", str(profile.nodes),

@@ -9,7 +9,7 @@ this package starts a process.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -36,6 +36,18 @@ class EngineConfigError(ConfigError):
 
 
 @attrs.frozen
+class LaunchAdapter:
+    """A LoRA adapter a replica holds from its launch: its name and its catalog source.
+
+    Only llama-server takes adapters at launch (it cannot load one at run time);
+    the agent puts the fetched file's local path in place of `source` in the argv.
+    """
+
+    name: str
+    source: str
+
+
+@attrs.frozen
 class EngineProfile:
     """How one replica of a model runs: the engine, its shape, its extra arguments.
 
@@ -44,6 +56,12 @@ class EngineProfile:
     spanning nodes: "ray" (a Ray cluster, the engine on the leader only) or
     "native" (vLLM's own `--nnodes`, one `vllm serve` per node). `engine_args`
     go last on the engine's command line, verbatim.
+
+    `max_adapters`: how many LoRA adapters one replica holds at once (0: none, and
+    no adapter flag is written). `max_adapter_rank`: the largest adapter rank it
+    accepts (None: the engine's default; SGLang has none and needs it).
+    `adapters`: the ones held from launch, in id order; llama-server only (vLLM
+    and SGLang start empty and load at run time, so they ignore it).
     """
 
     engine: EngineName
@@ -60,6 +78,16 @@ class EngineProfile:
     port_range: tuple[int, int] | None = None
     max_adapters: int = 0
     max_adapter_rank: int | None = None
+    adapters: tuple[LaunchAdapter, ...] = ()
+
+
+@attrs.frozen
+class HttpCall:
+    """One request to an engine's own HTTP API: method, path, JSON body."""
+
+    method: str
+    path: str
+    json: dict[str, Any] = attrs.field(hash=False)
 
 
 @attrs.frozen

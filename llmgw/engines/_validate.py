@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmgw.engines import _llamacpp, _sglang, _vllm
-from llmgw.engines._common import plural
+from llmgw.engines import _adapters, _llamacpp, _sglang, _vllm
+from llmgw.engines._common import owned_conflicts, plural
 from llmgw.engines._types import ENGINES, Assignment, EngineConfigError, EngineProfile
 from llmgw.model import Gpu
 
@@ -82,7 +82,80 @@ def profile_problems(profile: EngineProfile) -> list[str]:
     adapter = _ADAPTERS.get(engine)
     if adapter is not None:
         problems += adapter.profile_problems(profile)
+    problems += lora_problems(profile)
     return problems
+
+
+def lora_problems(profile: EngineProfile) -> list[str]:
+    """The LoRA adapter fields: counts, rank, names, and what each engine can take
+    (facts and versions in `_adapters`)."""
+    problems: list[str] = []
+    engine: str = profile.engine
+    count, rank = profile.max_adapters, profile.max_adapter_rank
+    if count < 0:
+        problems.append(f"max_adapters must be 0 or more, not {count}")
+    if rank is not None and rank < 1:
+        problems.append(f"max_adapter_rank must be 1 or more, not {rank}")
+    held = profile.adapters
+    if len(held) > max(count, 0):
+        listed = ", ".join(a.name for a in held)
+        problems.append(
+            f"adapters holds {plural(len(held), 'adapter')} ({listed}) but max_adapters is "
+            f"{count}: make max_adapters at least {len(held)}"
+        )
+    names = [a.name for a in held]
+    for name in dict.fromkeys(names):
+        if names.count(name) > 1:
+            problems.append(f"adapter name {name!r} appears {names.count(name)} times in adapters")
+    for a in held:
+        if not a.name or a.name != a.name.strip():
+            problems.append(f"adapter name {a.name!r} is empty or has spaces around it")
+        if not a.source.strip():
+            problems.append(f"adapter {a.name!r} has an empty source")
+        elif engine == "llama-server" and (
+            "," in a.source or (a.source.startswith("/") and ":" in a.source)
+        ):
+            problems.append(
+                f"adapter {a.name!r} source {a.source!r} holds ',' or ':', which "
+                "llama-server's --lora-scaled PATH:SCALE cannot carry: move the file"
+            )
+    if count <= 0:
+        return problems
+    if engine == "vllm" and rank is not None and rank >= 1 and rank not in _adapters.VLLM_RANKS:
+        allowed = ", ".join(map(str, _adapters.VLLM_RANKS))
+        problems.append(
+            f"max_adapter_rank {rank} is not one vLLM takes for --max-lora-rank "
+            f"({allowed}): pick the next one up"
+        )
+    servers = _api_server_count(profile.engine_args) if engine == "vllm" else None
+    if servers is not None and servers > 1:
+        problems.append(
+            f"engine_args sets --api-server-count {servers}; vLLM refuses its run-time "
+            "adapter loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) with more than one API "
+            "server: remove it, or set max_adapters 0"
+        )
+    if engine == "sglang" and rank is None:
+        problems.append(
+            f"sglang with max_adapters {count} needs max_adapter_rank: it starts with no "
+            "adapter to infer the rank from (--max-lora-rank)"
+        )
+    owned = _adapters.OWNED.get(engine, frozenset())
+    for flag in owned_conflicts(profile.engine_args, owned, underscores=engine == "vllm"):
+        problems.append(
+            f"engine_args sets {flag}, which llmgw sets itself for max_adapters {count}: remove it"
+        )
+    return problems
+
+
+def _api_server_count(engine_args: Sequence[str]) -> int | None:
+    """The last `--api-server-count`/`-asc` value in engine_args (vLLM keeps the last)."""
+    found: int | None = None
+    for i, token in enumerate(engine_args):
+        flag, eq, inline = token.partition("=")
+        if flag in ("--api-server-count", "--api_server_count", "-asc"):
+            value = inline if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
+            found = int(value) if value.isdigit() else found
+    return found
 
 
 def group_problems(

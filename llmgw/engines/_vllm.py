@@ -25,6 +25,7 @@ rank 0 serves HTTP, the others run `--headless`.
 
 from __future__ import annotations
 
+from llmgw.engines import _adapters
 from llmgw.engines._common import (
     BIND_HOST,
     HEALTH_PATH,
@@ -97,13 +98,14 @@ def plan(
         # vLLM reads its own address from VLLM_HOST_IP for the distributed
         # groups; without it it guesses, and may guess another interface.
         env.append(("VLLM_HOST_IP", me))
+    serve_env = env + _adapters.launch_env(profile)  # what `vllm serve` runs with
     # Only the rank that serves HTTP: the flags of vLLM's OpenAI frontend.
     http = ["--host", BIND_HOST, "--port", str(assignment.port), CACHE_REPORT]
     shape = _shape_args(profile)
 
     if profile.nodes == 1:
         argv = (program, "serve", profile.model, *http, *shape, *profile.engine_args)
-        return _plan((_engine(argv, env),), assignment.port)
+        return _plan((_engine(argv, serve_env),), assignment.port)
 
     if profile.multinode == "ray":
         address = host_port(leader, rdv)
@@ -141,7 +143,7 @@ def plan(
             "--distributed-executor-backend", "ray",
             *profile.engine_args,
         )  # fmt: skip
-        engine_env = [*env, ("RAY_ADDRESS", address)]
+        engine_env = [*serve_env, ("RAY_ADDRESS", address)]
         return _plan((head, _engine(argv, engine_env)), assignment.port)
 
     native = [
@@ -153,9 +155,9 @@ def plan(
     ]  # fmt: skip
     if rank == 0:
         argv = (program, "serve", profile.model, *http, *shape, *native, *profile.engine_args)
-        return _plan((_engine(argv, env),), assignment.port)
+        return _plan((_engine(argv, serve_env),), assignment.port)
     argv = (program, "serve", profile.model, *shape, *native, "--headless", *profile.engine_args)
-    return _plan((_engine(argv, env),), None)
+    return _plan((_engine(argv, serve_env),), None)
 
 
 def _shape_args(profile: EngineProfile) -> list[str]:
@@ -167,7 +169,8 @@ def _shape_args(profile: EngineProfile) -> list[str]:
         args += ["--pipeline-parallel-size", str(profile.pp)]
     if profile.quantization is not None:
         args += ["--quantization", profile.quantization]
-    return args
+    # Every rank: the LoRA layers are part of the model each worker builds.
+    return args + _adapters.launch_args(profile)
 
 
 def _engine(argv: tuple[str, ...], env: list[tuple[str, str]]) -> ProcessSpec:

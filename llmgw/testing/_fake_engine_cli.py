@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import attrs
 
@@ -26,6 +27,8 @@ N = TypeVar("N", int, float)
 PREFIX_BLOCK_TOKENS = 16
 Engine = Literal["vllm", "llama-server", "sglang"]
 ENGINES: tuple[Engine, ...] = ("vllm", "llama-server", "sglang")
+# What --version prints. The LoRA routes and flags (_fake_engine_adapters) follow
+# vLLM 0.34.0 and SGLang 0.5.23, as llmgw/engines/_adapters.py does.
 VERSIONS: dict[Engine, str] = {"vllm": "0.10.1.1", "llama-server": "6123", "sglang": "0.4.10"}
 DEFAULT_PORT: dict[Engine, int] = {"vllm": 8000, "llama-server": 8080, "sglang": 30000}
 # vLLM binds every interface when --host is absent; the other two bind loopback.
@@ -45,7 +48,7 @@ class Flag:
     names: tuple[str, ...]
     help: str
     metavar: str | None = None  # None: a switch without a value
-    kind: Literal["str", "int", "float", "list", "bool", "bool-pair"] = "str"
+    kind: Literal["str", "int", "float", "list", "append", "bool", "bool-pair"] = "str"
     dest: str | None = None
     llama_env: str | None = None  # llama-server's LLAMA_ARG_* twin, shown in its help
 
@@ -130,6 +133,13 @@ VLLM_FLAGS: tuple[Flag, ...] = (
        help="Log level for uvicorn."),
     _f("--disable-log-requests", help="Disable logging requests."),
     _f("--disable-log-stats", help="Disable logging statistics."),
+    _f("--enable-lora", kind="bool-pair", help="If True, enable handling of LoRA adapters."),
+    _f("--max-loras", metavar="MAX_LORAS", kind="int",
+       help="Max number of LoRAs in a single batch."),
+    _f("--max-lora-rank", metavar="{1,8,16,32,64,128,256,320,512}", kind="int",
+       help="Max LoRA rank."),
+    _f("--max-cpu-loras", metavar="MAX_CPU_LORAS", kind="int",
+       help="Maximum number of LoRAs to store in CPU memory. Must be >= than `max_loras`."),
 )
 
 LLAMA_FLAGS: tuple[Flag, ...] = (
@@ -164,6 +174,10 @@ LLAMA_FLAGS: tuple[Flag, ...] = (
        help="the GPU to use for the model (with split-mode = none) (default: 0)"),
     _f("--rpc", metavar="SERVERS", llama_env="LLAMA_ARG_RPC",
        help="comma separated list of RPC servers"),
+    _f("--lora", metavar="FNAME", kind="append",
+       help="path to LoRA adapter (use comma-separated values to load multiple adapters)"),
+    _f("--lora-scaled", metavar="FNAME:SCALE,...", kind="append",
+       help="path to LoRA adapter with user defined scaling (format: FNAME:SCALE,...)"),
     _f("-m", "--model", metavar="FNAME", llama_env="LLAMA_ARG_MODEL",
        help="model path (default: `models/$filename` with filename from `--hf-file` or "
        "`--model-url` if set, otherwise models/7B/ggml-model-f16.gguf)"),
@@ -199,6 +213,11 @@ LLAMA_FLAGS: tuple[Flag, ...] = (
        help="enable changing global properties via POST /props (default: disabled)"),
     _f("--slots", "--no-slots", kind="bool-pair", llama_env="LLAMA_ARG_ENDPOINT_SLOTS",
        help="expose slots monitoring endpoint (default: enabled)"),
+    _f("-cram", "--cache-ram", metavar="N", kind="int", llama_env="LLAMA_ARG_CACHE_RAM",
+       help="set the maximum cache size in MiB (default: 8192, -1 - no limit, 0 - disable)"),
+    _f("--lora-init-without-apply",
+       help="load LoRA adapters without applying them (apply later via POST /lora-adapters) "
+       "(default: disabled)"),
     _f("--log-disable", help="Log disable"),
     _f("-v", "--verbose", "--log-verbose",
        help="Set verbosity level to infinity (i.e. log all messages, useful for debugging)"),
@@ -251,6 +270,22 @@ SGLANG_FLAGS: tuple[Flag, ...] = (
        help="Choose the kernels for attention layers."),
     _f("--skip-server-warmup", help="If set, skip warmup."),
     _f("--enable-torch-compile", help="Optimize the model with torch.compile."),
+    _f("--enable-lora",
+       help="Enable LoRA support for the model. This argument is automatically set to True if "
+       "`--lora-paths` is provided for backward compatibility."),
+    _f("--max-lora-rank", metavar="MAX_LORA_RANK", kind="int",
+       help="The maximum rank of LoRA adapters. If not specified, it will be automatically "
+       "inferred from the adapters provided in --lora-paths."),
+    _f("--lora-target-modules", kind="list",
+       metavar="{q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,all}",
+       help="The union set of all target modules where LoRA should be applied."),
+    _f("--lora-paths", metavar="LORA_PATHS", kind="list",
+       help="The list of LoRA adapters to load."),
+    _f("--max-loras-per-batch", metavar="MAX_LORAS_PER_BATCH", kind="int",
+       help="Maximum number of adapters for a running batch, include base-only request."),
+    _f("--max-loaded-loras", metavar="MAX_LOADED_LORAS", kind="int",
+       help="If specified, it limits the maximum number of LoRA adapters loaded in CPU memory "
+       "at a time."),
 )
 # fmt: on
 
@@ -307,6 +342,16 @@ class FakeConfig:
     embeddings_enabled: bool
     api_key: str | None
     version: str
+    # LoRA (_fake_engine_adapters): --enable-lora (llama-server: any launch adapter), the
+    # engine's limit (vLLM --max-loras, SGLang --max-loras-per-batch), --max-lora-rank,
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, llama-server's launch adapters (path,
+    # default scale) in id order and --cache-ram.
+    lora_enabled: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_runtime: bool = False
+    launch_loras: tuple[tuple[str, float], ...] = ()
+    cache_ram: int | None = None
 
 
 @attrs.frozen
@@ -416,13 +461,14 @@ def _parser(engine: Engine) -> argparse.ArgumentParser:
                     *flag.names, dest=dest, action=argparse.BooleanOptionalAction, help=flag.help
                 )
         else:
-            types = {"int": int, "float": float, "str": str, "list": str}
+            types = {"int": int, "float": float, "str": str, "list": str, "append": str}
             parser.add_argument(
                 *flag.names,
                 dest=dest,
                 metavar=flag.metavar,
                 type=types[flag.kind],
                 nargs="+" if flag.kind == "list" else None,
+                action="append" if flag.kind == "append" else "store",
                 help=flag.help,
             )
     return parser
@@ -633,6 +679,7 @@ def parse_command_line(
         metrics, slots_endpoint, embeddings = bool(opts.get("enable_metrics")), False, True
         reports_cached = bool(opts.get("enable_cache_report"))
     port = opts.get("port")
+    lora = _lora_options(engine, opts, args, env)
     return FakeConfig(
         engine=engine,
         model=model,
@@ -647,4 +694,79 @@ def parse_command_line(
         embeddings_enabled=embeddings,
         api_key=opts.get("api_key"),
         version=version,
+        **lora,
     )
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _lora_options(
+    engine: Engine, opts: Mapping[str, Any], args: Sequence[str], env: Mapping[str, str]
+) -> dict[str, Any]:
+    """FakeConfig's LoRA fields, refusing what the engine refuses at startup."""
+    rank = opts.get("max_lora_rank")
+    if engine == "vllm":
+        if rank is not None and rank not in VLLM_LORA_RANKS:
+            raise UsageError(
+                f"argument --max-lora-rank: invalid choice: {rank} (choose from "
+                + ", ".join(map(str, VLLM_LORA_RANKS))
+                + ")"
+            )
+        runtime = env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
+        return {
+            "lora_enabled": bool(opts.get("enable_lora")),
+            "max_loras": opts.get("max_loras") or 1,
+            "max_lora_rank": rank or 16,
+            "lora_runtime": runtime in ("1", "true"),
+        }
+    if engine == "sglang":
+        paths = opts.get("lora_paths")
+        enabled = bool(opts.get("enable_lora") or paths)
+        if enabled and not paths and not (rank and opts.get("lora_target_modules")):
+            raise UsageError(
+                "When no initial --lora-paths is provided, you need to specify both "
+                "--max-lora-rank and --lora-target-modules for LoRA initialization."
+            )
+        return {
+            "lora_enabled": enabled,
+            "max_loras": opts.get("max_loras_per_batch") or 8,
+            "max_lora_rank": rank,
+        }
+    loras = _llama_loras(args)
+    cache_ram = opts.get("cache_ram")
+    return {
+        "lora_enabled": bool(loras),
+        "launch_loras": loras,
+        "cache_ram": cache_ram if isinstance(cache_ram, int) else None,
+    }
+
+
+def _llama_loras(args: Sequence[str]) -> tuple[tuple[str, float], ...]:
+    """llama-server's adapters in id order: `--lora` (scale 1) and `--lora-scaled
+    FNAME:SCALE`, each repeatable and comma-separated, in command-line order. A
+    FNAME:SCALE that does not split in two at ':' is refused, as llama-server does;
+    so is a file that is not there (it fails to load it)."""
+    out: list[tuple[str, float]] = []
+    for i, arg in enumerate(args):
+        flag, eq, inline = arg.partition("=")
+        if flag not in ("--lora", "--lora-scaled"):
+            continue
+        value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+        for item in filter(None, value.split(",")):
+            path, scale = item, 1.0
+            if flag == "--lora-scaled":
+                parts = item.split(":")
+                try:
+                    path, scale = parts[0], float(parts[1]) if len(parts) == 2 else math.nan
+                except ValueError:
+                    scale = math.nan
+                if len(parts) != 2 or math.isnan(scale):
+                    raise UsageError(
+                        'error while handling argument "--lora-scaled": lora-scaled format: '
+                        "FNAME:SCALE"
+                    )
+            if not Path(path).exists():
+                raise UsageError(f"failed to apply lora adapter '{path}': no such file")
+            out.append((path, scale))
+    return tuple(out)

@@ -17,7 +17,7 @@ import random
 import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import attrs
 
@@ -52,6 +52,16 @@ class GenRequest:
     finish_reason: str
     # The prompt's chain of block hashes (`block_chain`), when a prefix cache is modelled.
     prompt_blocks: tuple[int, ...] = ()
+    # What starts the text: "[ADAPTER] " when a LoRA adapter answers, else "".
+    tag: str = ""
+
+
+class AdapterChoice(Protocol):
+    """The engine's adapters, as a request meets them (`_fake_engine_adapters.Adapters`)."""
+
+    def accepts(self, model: str) -> bool: ...
+
+    def select(self, body: Mapping[str, Any]) -> str | Reply: ...
 
 
 @attrs.frozen
@@ -187,12 +197,16 @@ def _json_object(engine: Engine, body: bytes) -> dict[str, Any] | Reply:
     return obj
 
 
-def _model(config: FakeConfig, body: Mapping[str, Any]) -> str | Reply:
+def _model(
+    config: FakeConfig, body: Mapping[str, Any], adapters: AdapterChoice | None = None
+) -> str | Reply:
     asked = body.get("model")
     if asked is None or asked == "":
         return config.served_names[0]
     if not isinstance(asked, str):
         return error(config.engine, 400, "model must be a string", "model")
+    if adapters is not None and adapters.accepts(asked):
+        return asked
     # llama-server serves its one model whatever the request names; the others refuse.
     if config.engine != "llama-server" and asked not in config.served_names:
         return error(config.engine, 404, f"The model `{asked}` does not exist.", "model")
@@ -205,10 +219,12 @@ def read_generation(
     raw: bytes,
     tokens: int,
     prefix_blocks: bool = False,
+    adapters: AdapterChoice | None = None,
 ) -> GenRequest | Reply:
     """Check a chat or completions request as the engine would; say what to generate.
 
     With `prefix_blocks`, the request carries its prompt's block chain for the prefix cache.
+    With `adapters`, a request may name a loaded LoRA adapter, whose tag starts the text.
     """
     engine = config.engine
     body = _json_object(engine, raw)
@@ -231,9 +247,12 @@ def read_generation(
     limit = body.get("max_completion_tokens", body.get("max_tokens", body.get("n_predict")))
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         return error(engine, 400, f"max_tokens must be at least 1, got {limit!r}", "max_tokens")
-    model = _model(config, body)
+    model = _model(config, body, adapters)
     if isinstance(model, Reply):
         return model
+    tag = adapters.select(body) if adapters is not None else ""
+    if isinstance(tag, Reply):
+        return tag
     ctx = config.ctx_per_slot
     if prompt_tokens + (limit or 0) > ctx or prompt_tokens >= ctx:
         if engine == "llama-server":
@@ -263,6 +282,7 @@ def read_generation(
         n_tokens=n,
         finish_reason="stop" if n == tokens else "length",
         prompt_blocks=chain,
+        tag=tag,
     )
 
 
@@ -301,13 +321,14 @@ def read_embeddings(config: FakeConfig, raw: bytes) -> EmbedRequest | Reply:
 # --- building answers -----------------------------------------------------------------------
 
 
-def token_text(i: int) -> str:
-    """The i-th generated token: the whole completion reads "tok0 tok1 tok2 ..."."""
-    return f"tok{i}" if i == 0 else f" tok{i}"
+def token_text(i: int, tag: str = "") -> str:
+    """The i-th generated token: the whole completion reads "tok0 tok1 tok2 ...",
+    after `tag` (an adapter's "[NAME] ") on the first."""
+    return f"{tag}tok{i}" if i == 0 else f" tok{i}"
 
 
-def completion_text(n: int) -> str:
-    return "".join(token_text(i) for i in range(n))
+def completion_text(n: int, tag: str = "") -> str:
+    return "".join(token_text(i, tag) for i in range(n))
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
@@ -350,7 +371,7 @@ def full_response(
     cached: int | None = None,
     timings: Mapping[str, float] | None = None,
 ) -> bytes:
-    text = completion_text(req.n_tokens)
+    text = completion_text(req.n_tokens, req.tag)
     choice: dict[str, Any]
     if req.kind == "chat":
         choice = {
@@ -427,12 +448,13 @@ class StreamWriter:
         if self.req.kind == "chat":
             choice = {
                 "index": 0,
-                "delta": {"content": token_text(i)},
+                "delta": {"content": token_text(i, self.req.tag)},
                 "logprobs": None,
                 "finish_reason": finish,
             }
         else:
-            choice = {"index": 0, "text": token_text(i), "logprobs": None, "finish_reason": finish}
+            text = token_text(i, self.req.tag)
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         # llama-server puts its timings on the last event: this one, unless a usage chunk follows.
         last_event = last and not self.req.include_usage
         return self._event([choice], timings=self.timings if last_event else None)
@@ -473,7 +495,10 @@ def embeddings_response(req: EmbedRequest, dim: int) -> bytes:
     )
 
 
-def models_response(config: FakeConfig, ready: bool, created: int) -> bytes:
+def models_response(
+    config: FakeConfig, ready: bool, created: int, adapters: Sequence[Mapping[str, Any]] = ()
+) -> bytes:
+    """The served names (vLLM and SGLang: with `parent` null), then `adapters`' entries."""
     owner = {"vllm": "vllm", "llama-server": "llamacpp", "sglang": "sglang"}[config.engine]
     data: list[dict[str, Any]] = []
     if ready:
@@ -486,8 +511,10 @@ def models_response(config: FakeConfig, ready: bool, created: int) -> bytes:
             }
             if config.engine != "llama-server":
                 entry["root"] = config.model
+                entry["parent"] = None
                 entry["max_model_len"] = config.ctx_per_slot
             data.append(entry)
+        data += (dict(entry) for entry in adapters)
     return dumps({"object": "list", "data": data})
 
 

@@ -9,11 +9,15 @@ named after the engine on PATH (`install(bin_dir, "vllm")` writes one). It
 takes the real engines' command lines and ignores the flags it does not act on:
 
     vllm serve MODEL [--host H] [--port P] [--served-model-name NAME...] [--max-num-seqs N]
-                     [--max-model-len N] [--api-key KEY] [...]
+                     [--max-model-len N] [--api-key KEY] [--enable-lora] [--max-loras N]
+                     [--max-lora-rank R] [...]
     llama-server -m MODEL [--host H] [--port P] [-a ALIAS] [-np N] [-c N] [--metrics]
-                 [--no-slots] [--embeddings] [--api-key KEY] [...]
+                 [--no-slots] [--embeddings] [--api-key KEY] [--lora FNAME]
+                 [--lora-scaled FNAME:SCALE] [--cache-ram N] [...]
     (sglang) --model-path MODEL [--host H] [--port P] [--served-model-name NAME]
-             [--max-running-requests N] [--context-length N] [--enable-metrics] [...]
+             [--max-running-requests N] [--context-length N] [--enable-metrics]
+             [--enable-lora --max-lora-rank R --lora-target-modules M...]
+             [--max-loras-per-batch N] [...]
 
 `--port 0` binds a free port; the startup line says which. Which engine to
 imitate: `--fake-engine vllm|llama-server|sglang`, else `LLMGW_FAKE_ENGINE`,
@@ -43,7 +47,20 @@ Endpoints, as the imitated engine has them:
 - `POST /v1/embeddings`: unit vectors that depend only on the text
   (`encoding_format: base64` gives little-endian float32). llama-server
   answers 501 unless started with `--embeddings`.
-- `GET /v1/models`: the served names once loaded, an empty list before.
+- `GET /v1/models`: the served names once loaded, an empty list before; vLLM and
+  SGLang also list each loaded LoRA adapter with `parent` (the first served name).
+- LoRA adapters (`_fake_engine_adapters`, with each engine's bodies, statuses and
+  messages): vLLM `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+  (`{"lora_name", "lora_path"}`; routes only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
+  or true; 400 for a loaded name, 404 for a path that does not exist or an unknown
+  unload, 500 without --enable-lora), an adapter chosen by `model`; SGLang `POST
+  /load_lora_adapter` and `/unload_lora_adapter` (200 or 400 `{"success": false,
+  "error_message"}`), an adapter chosen by `lora_path` or `model: BASE:ADAPTER`
+  (a plain adapter name as `model` gets the base, as SGLang does); llama-server's
+  launch adapters (`--lora`, `--lora-scaled FNAME:SCALE`; a file that is not there
+  is refused at startup), `GET /lora-adapters`, and a request's `lora: [{"id",
+  "scale"}]`. An adapter's answer starts with `[NAME] ` (llama-server: `[PATH] `, or
+  `[PATH*SCALE] `); an unknown adapter gets the engine's error.
 - `GET /health`: 503 while loading, then 200.
 - `GET /metrics`: Prometheus text with the engine's names, from the real
   in-flight load. vLLM: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
@@ -75,7 +92,8 @@ Endpoints, as the imitated engine has them:
   `/fake/tokens` too) and counted there only, never in the others, never
   failed by LLMGW_FAKE_FAIL_RATE, so the counts above are the clients'. An
   inference request ends as exactly one of completed, cancelled (the client
-  closed the connection first) or failed (an error status).
+  closed the connection first) or failed (an error status). `adapter_loads`,
+  `adapter_unloads`: the LoRA loads and unloads that succeeded (vLLM, SGLang).
 
 A request generates while it holds one of the engine's slots: vLLM's
 `--max-num-seqs` (default 256), SGLang's `--max-running-requests` (256),
@@ -178,6 +196,7 @@ from llmgw._process import run_service
 from llmgw.engines import PROBE_HEADER
 from llmgw.errors import UsageError
 from llmgw.testing import _fake_engine_console as console
+from llmgw.testing._fake_engine_adapters import Adapters
 from llmgw.testing._fake_engine_cli import (
     Behaviour,
     Engine,
@@ -233,6 +252,7 @@ class FakeEngine:
         self._slots = trio.Semaphore(config.slots)
         self._created = int(time.time())
         self.probes = 0  # the agent's generation probes (PROBE_HEADER), counted apart
+        self.adapters = Adapters(config)
         self._routes: dict[str, tuple[bytes, _Endpoint]] = {
             "/health": (b"GET", self._health),
             "/v1/models": (b"GET", self._models),
@@ -250,6 +270,8 @@ class FakeEngine:
             self._routes["/chat/completions"] = (b"POST", self._chat)
         else:
             self._routes["/version"] = (b"GET", self._version)
+        for path, (method, answer) in self.adapters.routes().items():
+            self._routes[path] = (method, _replying(answer))
 
     def __repr__(self) -> str:
         c = self.config
@@ -371,13 +393,18 @@ class FakeEngine:
         await ex.send(self.faults.switch_tokens(body))
 
     async def _models(self, ex: Exchange, _: bytes) -> None:
-        await ex.send(Reply(200, models_response(self.config, self.state.ready, self._created)))
+        ready = self.state.ready
+        listed = self.adapters.model_entries() if ready else []
+        await ex.send(Reply(200, models_response(self.config, ready, self._created, listed)))
 
     async def _version(self, ex: Exchange, _: bytes) -> None:
         await ex.send(Reply(200, dumps({"version": self.config.version})))
 
     async def _stats(self, ex: Exchange, _: bytes) -> None:
-        await ex.send(Reply(200, dumps({**self.state.statistics(), "probes": self.probes})))
+        a = self.adapters
+        stats = {**self.state.statistics(), "probes": self.probes}
+        stats |= {"adapter_loads": a.loads, "adapter_unloads": a.unloads}
+        await ex.send(Reply(200, dumps(stats)))
 
     async def _metrics(self, ex: Exchange, _: bytes) -> None:
         engine = self.config.engine
@@ -435,6 +462,7 @@ class FakeEngine:
                     body,
                     self.behaviour.tokens,
                     prefix_blocks=self.state.prefix is not None,
+                    adapters=self.adapters,
                 )
             if isinstance(parsed, Reply):
                 outcome = "failed"
@@ -537,6 +565,13 @@ class FakeEngine:
         else:
             answer = full_response(self.config.engine, req, rid, created, reported, timings)
             await ex.send(Reply(200, answer))
+
+
+def _replying(answer: Callable[[bytes], Reply]) -> _Endpoint:
+    async def endpoint(ex: Exchange, body: bytes) -> None:
+        await ex.send(answer(body))
+
+    return endpoint
 
 
 def install(bin_dir: Path, engine: Engine = "vllm", python: str = sys.executable) -> Path:

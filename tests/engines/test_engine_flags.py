@@ -58,6 +58,16 @@ ParallelConfig:
   --node-rank NODE_RANK, -r NODE_RANK
                         distributed node rank for multi-node distributed
                         inference when distributed_executor_backend is mp.
+
+LoRAConfig:
+  Configuration for LoRA.
+
+  --enable-lora, --no-enable-lora
+                        If True, enable handling of LoRA adapters.
+  --max-loras MAX_LORAS
+                        Max number of LoRAs in a single batch. (default: 1)
+  --max-lora-rank {1,8,16,32,64,128,256,320,512}
+                        Max LoRA rank. (default: 16)
 """
 
 # Shaped like llama-server --help (common/arg.cpp's layout).
@@ -70,6 +80,11 @@ LLAMA_HELP = """\
 -c,    --ctx-size N                     size of the prompt context (default: 4096)
 -m,    --model FNAME                    model path (default: `models/$filename`)
 -ngl,  --gpu-layers, --n-gpu-layers N   number of layers to store in VRAM
+--lora FNAME                            path to LoRA adapter (use comma-separated values to load multiple
+                                        adapters)
+--lora-scaled FNAME:SCALE,...           path to LoRA adapter with user defined scaling (format:
+                                        FNAME:SCALE,...)
+                                        note: use comma-separated values
 
 ----- example-specific params -----
 
@@ -79,6 +94,8 @@ LLAMA_HELP = """\
 --metrics                               enable prometheus compatible metrics endpoint
 --slots, --no-slots                     expose slots monitoring endpoint (default: enabled)
 --jinja, --no-jinja                     whether to use jinja template engine for chat
+-cram, --cache-ram N                    set the maximum cache size in MiB (default: 8192, -1 - no limit, 0 -
+                                        disable)
 """
 
 
@@ -150,7 +167,14 @@ def test_cut_off_mid_line() -> None:
     cut = VLLM_HELP[: VLLM_HELP.index("--master-port") + 8]
     result = check_flags(cut, widest_command("vllm"))
     # "--master-port" was cut to "--master", and what followed it is gone.
-    assert result.missing == ("--nnodes", "--node-rank", "--master-port")
+    assert result.missing == (
+        "--enable-lora",
+        "--max-loras",
+        "--max-lora-rank",
+        "--nnodes",
+        "--node-rank",
+        "--master-port",
+    )
     assert result.warnings == ("the help does not end with a newline; it may be cut off mid-line",)
 
 
