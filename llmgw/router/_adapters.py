@@ -20,9 +20,9 @@ waiting requests are what the control plane sees as the adapter's demand (each
 router's `loads()`).
 
 The engines take an adapter in their own form (`llmgw.engines.adapter_request`):
-vLLM and SGLang by its registered name in `model`, which the client's request already
-carries; llama-server by a `lora` list naming a scale for every adapter the replica
-holds. A llama-server replica's prompt caches mix adapters (tests/integration/
+vLLM by its registered name in `model`, which the client's request already carries;
+SGLang by that name in `lora_path` as well; llama-server by a `lora` list naming a
+scale for every adapter the replica holds. A llama-server replica's prompt caches mix adapters (tests/integration/
 test_llama_lora.py), so every request sent to one that holds adapters carries the
 whole list, all 0 for the base: `engine_body` does that at send time, per endpoint.
 """
@@ -126,11 +126,14 @@ def decode_adapters(value: object) -> dict[str, AdapterRoute]:
 
 
 def engine_body(endpoint: Endpoint, body: bytes, adapter: str | None, scale: float) -> bytes:
-    """`body` as `endpoint`'s engine takes it for `adapter` (None: the base): unchanged
-    unless the engine selects adapters per request (llama-server) and this replica holds
-    some, then with the engine's own list. Raises ValueError when `adapter` is not held
+    """`body` as `endpoint`'s engine takes it for `adapter` (None: the base): vLLM's is
+    the client's; SGLang's names the adapter in `lora_path` too (and a base request
+    loses a client's `lora_path`: it would pick an adapter the router never checked);
+    llama-server's, when this replica holds adapters, lists them all. Raises ValueError when `adapter` is not held
     there (the router only sends an adapter to a replica listed as holding it)."""
-    if endpoint.engine != "llama-server" or not endpoint.adapters:
+    if endpoint.engine == "vllm":
+        return body  # the client's `model` is the adapter's registered name already
+    if endpoint.engine == "llama-server" and not endpoint.adapters:
         return body
     request = json.loads(body)
     if not isinstance(request, dict):

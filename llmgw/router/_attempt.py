@@ -203,9 +203,11 @@ def _upstream_error(model: str, exc: UpstreamError) -> HttpError:
 
 def _for_engine(endpoint: Endpoint, body: bytes, model: Model, ask: Ask) -> bytes:
     """The body in the engine's form for LoRA adapters (llmgw/router/_adapters.py)."""
-    if not endpoint.adapters or ask.content_type != _surface.JSON_CONTENT_TYPE:
-        return body
     route = model.adapter
+    if ask.content_type != _surface.JSON_CONTENT_TYPE or endpoint.engine == "vllm":
+        return body
+    if not endpoint.adapters and route is None:
+        return body
     if route is None:
         return engine_body(endpoint, body, None, 1.0)
     return engine_body(endpoint, body, model.name, route.scale)

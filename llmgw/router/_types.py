@@ -173,11 +173,16 @@ class StaticEndpoints:
         `traffic` the splits over them, `holds` how requests for one with no endpoint
         wait (none: 503 at once), `adapters` the LoRA adapters among the names."""
         snap: dict[str, list[Endpoint]] = {m: [] for m in models}
-        seen: set[str] = set()
+        seen: dict[str, Endpoint] = {}
         for ep in endpoints:
-            if ep.endpoint_id in seen:
+            # One replica may serve several names (served names, the adapters it holds):
+            # the same id under another name, at the same address.
+            other = seen.get(ep.endpoint_id)
+            if other is not None and (
+                other.model == ep.model or (other.host, other.port) != (ep.host, ep.port)
+            ):
                 raise ValueError(f"endpoint id {ep.endpoint_id!r} is given twice")
-            seen.add(ep.endpoint_id)
+            seen[ep.endpoint_id] = ep
             snap.setdefault(ep.model, []).append(ep)
         self._snapshot = {m: tuple(eps) for m, eps in snap.items()}
         self._traffic = {t.name: t for t in traffic}
