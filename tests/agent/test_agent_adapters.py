@@ -28,6 +28,7 @@ import trio
 from helpers import CountingProxy, loopback_pki
 
 from llmgw import model
+from llmgw.agent._supervisor import Supervisor
 from llmgw.core import cache_name
 from llmgw.cp._weights._mirror import serve_mirror
 from llmgw.errors import NotFound, UsageError
@@ -400,3 +401,59 @@ async def test_fetch_adapter_single_flight_and_a_stop_during_a_relaunch_wins(
         assert failed.reason.splitlines()[0].endswith(
             "HTTP 404 Not Found: not found: /loras/none.gguf: no such file or directory"
         )
+
+
+# The agent's supervisor in process: a stop while the old engine is being stopped for a
+# relaunch (it ignores SIGTERM, so that takes the grace) wins too.
+IGNORES_TERM = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('up', flush=True); time.sleep(3600)"
+)
+
+
+async def test_a_stop_while_the_old_engine_stops_for_a_relaunch_wins(tmp_path: Path) -> None:
+    lora = tmp_path / "lora.gguf"
+    lora.write_bytes(b"lora")
+    spec = model.ShardSpec(
+        shard_id="s",
+        model="m",
+        engine="llama-server",
+        processes=(model.ProcessSpec(name="engine", argv=(sys.executable, "-c", IGNORES_TERM)),),
+        serves_http=False,
+    )
+    reports: list[model.ShardReport] = []
+    async with trio.open_nursery() as nursery:
+        sup = Supervisor(tmp_path / "state", grace_s=2, node_id=NODE, on_change=reports.append)
+        await nursery.start(sup.run)
+        await sup.start(spec)
+        with trio.fail_after(TIMEOUT):
+            while not reports or reports[-1].state != "ready":
+                await trio.sleep(0.02)
+        (pid,) = reports[-1].pids
+        outcome: list[NotFound] = []
+
+        async def relaunch() -> None:
+            new = attrs.evolve(spec, adapters=("a",), adapter_sources=(str(lora),))
+            with pytest.raises(NotFound) as info:
+                await sup.relaunch(new, 30)  # the engine would hold it the whole grace
+            outcome.append(info.value)
+
+        nursery.start_soon(relaunch)
+        shard = sup.shard_of("s")
+        assert shard is not None
+        with trio.fail_after(TIMEOUT):
+            while not shard.replacing:
+                await trio.sleep(0.01)
+        with trio.fail_after(10):  # the stop's grace, not the relaunch's 30 s
+            stopped = await sup.stop("s", 0.5)
+            while not outcome:
+                await trio.sleep(0.02)
+        assert stopped.state == "stopped" and not alive(pid)
+        assert str(outcome[0]) == f"relaunch s on node {NODE}: the shard was stopped meanwhile"
+        assert sup.reports() == () and [r.state for r in reports] == [
+            "starting",
+            "loading",
+            "ready",
+            "stopped",
+        ]
+        nursery.cancel_scope.cancel()
