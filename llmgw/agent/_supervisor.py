@@ -286,6 +286,7 @@ class Supervisor:
     # supervise -----------------------------------------------------------------------
 
     async def _supervise(self, shard: Shard, launch: bool) -> None:
+        done = shard.done  # this run's: a relaunch gives the shard a new one for the next
         try:
             async with trio.open_nursery() as nursery:
                 shard.scope = nursery.cancel_scope
@@ -306,7 +307,7 @@ class Supervisor:
                 raise
             await self._fail(shard, _shard_logs.with_last_lines(shard, str(errors[0])))
         finally:
-            shard.done.set()
+            done.set()
 
     async def _launch_and_watch(self, shard: Shard, nursery: trio.Nursery) -> None:
         if not shard.prepared:  # a relaunch made them ready before the old engine stopped
@@ -343,7 +344,7 @@ class Supervisor:
     async def _fail(self, shard: Shard, reason: str) -> None:
         # Two processes dying together both land here: the first one's reason stands.
         if shard.stopping or shard.replacing or shard.failing:
-            return
+            return  # a stop, a relaunch or the first of two dying processes has it in hand
         if shard.state not in RUNNING_SHARD_STATES:
             return
         shard.failing = True
