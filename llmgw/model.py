@@ -358,6 +358,7 @@ class ShardReport:
     # control plane keeps the newest whichever way they arrive (a command's reply can be
     # overtaken by the agent's own later report). 0: not known (an older agent).
     seq: int = 0
+    adapters: tuple[str, ...] = ()  # its spec's LoRA adapters, in id order
 
 
 @attrs.frozen
@@ -402,6 +403,12 @@ class ShardSpec:
     # fetches a URL or `mirror:` source, and puts the local path in place of every
     # argv element equal to it. None: nothing to check (a shard started by hand).
     source: str | None = None
+    # The LoRA adapters the shard holds from launch (their names, in id order) and their
+    # catalog sources (same order). Each source is made ready as `source` is, and its
+    # local path put in place of every argv element equal to it or starting with it
+    # and ":" (llama-server's `--lora-scaled PATH:SCALE`).
+    adapters: tuple[str, ...] = ()
+    adapter_sources: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -197,6 +197,7 @@ struct ShardReport {
   gpus @12 :List(Text);        # UUIDs
   source @13 :Text;            # the spec's source; null: none
   seq @14 :Int64;              # the shard's report count on its agent: newer is higher; 0: unknown
+  adapters @15 :List(Text);    # the spec's adapters (LoRA names, in id order)
 }
 
 struct Hello {
@@ -256,6 +257,8 @@ struct ShardSpec {
   ranks @13 :Int64;
   gpus @14 :List(Text);
   source @15 :Text;            # fetched or checked before launch; null: nothing to do
+  adapters @16 :List(Text);    # LoRA adapters held from launch, in id order
+  adapterSources @17 :List(Text);  # their sources, same order: made ready as `source` is
 }
 
 struct EnvVar { name @0 :Text; value @1 :Text; }
@@ -325,6 +328,13 @@ interface Agent {
   declareEngines @7 (epoch :Int64, engines :EngineDecls) -> ();
   # What `logs` can read here: "agent", then SHARD/PROCESS/stdout|stderr per shard.
   logSources @8 () -> (sources :List(Text));
+  # Stop the running shard spec.shardId (SIGTERM, SIGKILL after graceS) and start it
+  # again from spec, which may differ from its current spec only in adapters and
+  # adapterSources; the new sources are made ready first, while the old engine serves.
+  relaunchShard @9 (epoch :Int64, spec :ShardSpec, graceS :Float64) -> (shard :ShardReport);
+  # Make an adapter's source ready on the node (as a shard's source: single flight,
+  # whole or nothing) and answer its local path.
+  fetchAdapter @10 (epoch :Int64, source :Text, engine :Text) -> (path :Text);
 }
 
 interface LogSink {

@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 import pytest
+import trio
 
 REPO = Path(__file__).resolve().parents[1]
 # The recorded samples, inside the repository: tests/data/INDEX.md names each
@@ -548,6 +549,59 @@ def slow_file_server(root: Path, rate: int) -> Iterator[ThrottlingProxy]:
         server.shutdown()
         server.server_close()
         serving.join(5)
+
+
+# --- a link that counts its GETs ----------------------------------------------------
+
+_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+class CountingProxy:
+    """Forwards to 127.0.0.1:upstream, counting the GETs; `delay_s` between 16 KiB
+    pieces of the answers makes a slow link."""
+
+    def __init__(self, upstream: int, delay_s: float = 0.0) -> None:
+        self.upstream = upstream
+        self.delay_s = delay_s
+        self.requests: list[bytes] = []
+
+    def gets(self) -> list[str]:
+        return [r.split(b" ")[1].decode() for r in self.requests if r.startswith(b"GET ")]
+
+    async def start(self, nursery: trio.Nursery) -> int:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, self.handle, 0, host="127.0.0.1")
+        )
+        return int(listeners[0].socket.getsockname()[1])
+
+    async def handle(self, client: trio.SocketStream) -> None:
+        upstream = await trio.open_tcp_stream("127.0.0.1", self.upstream)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            async with upstream, client, trio.open_nursery() as nursery:
+
+                async def up() -> None:
+                    first = True
+                    with contextlib.suppress(*_BROKEN):
+                        async for data in client:
+                            if first:
+                                self.requests.append(bytes(data))
+                                first = False
+                            await upstream.send_all(data)
+                    nursery.cancel_scope.cancel()
+
+                async def down() -> None:
+                    with contextlib.suppress(*_BROKEN):
+                        async for data in upstream:
+                            view = bytes(data)
+                            while view:
+                                piece, view = view[:16384], view[16384:]
+                                await client.send_all(piece)
+                                if self.delay_s:
+                                    await trio.sleep(self.delay_s)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(up)
+                nursery.start_soon(down)
 
 
 # --- a real PostgreSQL server -----------------------------------------------------------

@@ -183,6 +183,7 @@ async def serve(cfg: config.AgentConfig) -> None:
         path_of=installer.path_of,
         memory=memory,
         epoch_path=cfg.state_dir / EPOCH_FILE,
+        sources=sources,
     )
 
     def on_registered(settings: model.Settings) -> None:

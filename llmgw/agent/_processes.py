@@ -22,6 +22,7 @@ import trio
 from llmgw import model
 from llmgw.agent import _procfs, _runfile
 from llmgw.agent._shard import ProcRecord, Shard, ShardError
+from llmgw.core import local_argv
 
 # Part of the supervisor, as operators know it.
 log = logging.getLogger("llmgw.agent.supervisor")
@@ -72,10 +73,7 @@ class Launcher:
 
     async def spawn(self, shard: Shard, spec: model.ProcessSpec) -> ProcRecord:
         """Start one process; it is in `shard.procs` and run.json before this returns."""
-        argv = self.resolve(spec.argv, shard.spec.engine)
-        source, local = shard.spec.source, shard.local_source
-        if source is not None and local is not None:
-            argv = [local if a == source else a for a in argv]
+        argv = local_argv(self.resolve(spec.argv, shard.spec.engine), shard.local_paths)
         out = shard.dir / f"{spec.name}.stdout.log"
         err = shard.dir / f"{spec.name}.stderr.log"
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND

@@ -16,6 +16,7 @@ import trio
 from llmgw import engines, model
 from llmgw.agent import _logs, _reclaim
 from llmgw.agent._node import Node
+from llmgw.agent._sources import SourceError, Sources
 from llmgw.agent._supervisor import Supervisor
 from llmgw.errors import ConfigError, LlmgwError, StaleEpoch, UsageError
 
@@ -43,7 +44,9 @@ class AgentServant:
         path_of: Callable[[str], str | None] = lambda engine: None,
         memory: _logs.MemoryLog | None = None,
         epoch_path: Path | None = None,
+        sources: Sources | None = None,
     ) -> None:
+        self._sources = sources  # fetchAdapter's: the supervisor's, shared single flight
         self._memory = memory  # the agent's own last lines (source "agent")
         self._followers: trio.Nursery | None = None  # set by run()
         self._node = node
@@ -85,6 +88,32 @@ class AgentServant:
     async def stop_shard(self, epoch: int, shard_id: str, grace_s: float) -> None:
         self._fence(epoch)
         await self._supervisor.stop(shard_id, grace_s if grace_s > 0 else None)
+
+    async def relaunch_shard(
+        self, epoch: int, spec: model.ShardSpec, grace_s: float
+    ) -> model.ShardReport:
+        """The running shard started again with other adapters (llmgw/agent/_relaunch.py)."""
+        self._fence(epoch)
+        return await self._supervisor.relaunch(spec, grace_s if grace_s > 0 else None)
+
+    async def fetch_adapter(self, epoch: int, source: str, engine: str) -> str:
+        """An adapter's source made ready here as a shard's is (single flight, whole or
+        nothing, in the weights directory and its reports); its local path: the file,
+        a version's directory (llama-server: its first .gguf), or for a local path or
+        a hub id the text itself, which the engine reads as written."""
+        self._fence(epoch)
+        if engine not in engines.ENGINES:
+            raise UsageError(
+                f"fetch adapter {source}: unknown engine {engine!r}; "
+                f"known: {', '.join(engines.ENGINES)}"
+            )
+        if self._sources is None:
+            raise UsageError(f"adapter source {source}: this agent fetches nothing")
+        try:
+            path = await self._sources.ready(source, engine, what="adapter source")
+        except SourceError as exc:
+            raise UsageError(str(exc)) from None
+        return source if path is None else path
 
     async def reclaim(self, epoch: int, paths: Sequence[str], dry_run: bool) -> model.Reclaimed:
         """Delete what `may_delete` allows of `paths` in the weights directory, decided

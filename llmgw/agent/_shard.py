@@ -65,7 +65,12 @@ class Shard:
     failed_at: float | None = None  # unix time
     done: trio.Event = attrs.field(factory=trio.Event)
     scope: trio.CancelScope | None = None
-    local_source: str | None = None  # what stands for spec.source in the argv (fetched here)
+    # What stands for each source of the spec in the argv (fetched here), once prepared.
+    local_paths: dict[str, str] = attrs.field(factory=dict)
+    prepared: bool = False
+    replacing: bool = False  # its processes are being stopped for a relaunch: not a failure
+    relaunch: trio.CancelScope | None = None  # a relaunch making its sources ready (stop ends it)
+    pending: model.ShardSpec | None = None  # the spec a relaunch under way starts it from
     reports: int = 0  # how many reports were made: each one's seq
 
     def report(self) -> model.ShardReport:
@@ -87,4 +92,5 @@ class Shard:
             gpus=self.spec.gpus,
             source=self.spec.source,
             seq=self.reports,
+            adapters=self.spec.adapters,
         )

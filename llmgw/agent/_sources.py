@@ -22,6 +22,13 @@ A version's directory goes to vLLM and SGLang; llama-server gets the first
 beside it). The supervisor puts that path in place of every argv element equal
 to the source, so run.json records the argv as run and adoption after an
 agent restart matches it (an adopted shard fetches nothing).
+
+A shard's LoRA adapters (`ShardSpec.adapter_sources`) are made ready the same
+way, beside its model's source and at the same time; their paths also replace
+an element that starts with the source and ":" (`--lora-scaled PATH:SCALE`).
+`fetchAdapter` (an engine that loads adapters at run time) makes one adapter's
+source ready through `ready` without a shard. A fetch error names the source as
+the catalog wrote it, then the URL the Fetcher asked.
 """
 
 from __future__ import annotations
@@ -97,11 +104,40 @@ class Sources:
         """Cache names being fetched now."""
         return self._fetcher.in_flight() if self._fetcher is not None else frozenset()
 
-    async def prepare(self, spec: model.ShardSpec) -> str | None:
-        """The local path to put in place of `spec.source` in the argv; None: leave it."""
-        text = spec.source
-        if text is None:
-            return None
+    async def prepare(self, spec: model.ShardSpec) -> dict[str, str]:
+        """Every source of `spec` (its model's, then each adapter's) made ready here, at
+        once; answers the local path to put in place of each source text in the argv
+        (`llmgw.core.local_argv`), for the sources that have one. The first source that
+        cannot be made ready ends the others' waits and raises its SourceError."""
+        texts = [(spec.source, "model source")] if spec.source is not None else []
+        texts += [(text, "adapter source") for text in spec.adapter_sources]
+        local: dict[str, str] = {}
+        failed: list[SourceError] = []
+
+        async def one(text: str, what: str, cancel: trio.CancelScope) -> None:
+            try:
+                path = await self.ready(text, spec.engine, what=what, shard_id=spec.shard_id)
+            except SourceError as exc:
+                failed.append(exc)
+                cancel.cancel()
+                return
+            if path is not None:
+                local[text] = path
+
+        async with trio.open_nursery() as nursery:
+            for text, what in dict(texts).items():
+                nursery.start_soon(one, text, what, nursery.cancel_scope)
+        if failed:
+            raise failed[0]
+        return local
+
+    async def ready(
+        self, text: str, engine: str, *, what: str = "model source", shard_id: str | None = None
+    ) -> str | None:
+        """One source made ready on this node: the local path to hand `engine` (a file, a
+        version's directory, or llama-server's first .gguf in it); None for a local path
+        (checked to exist) or a hub id, which the engine reads as written. Single flight
+        (the Fetcher's): every caller waiting on one source shares one download."""
         try:
             source = classify_source(text)
         except ConfigError as exc:
@@ -111,10 +147,10 @@ class Sources:
         if source.kind is SourceKind.LOCAL:
             if not await trio.to_thread.run_sync(os.path.exists, text):
                 where = self._node_id or "this node"
-                raise SourceError(f"model source {text}: no such file or directory on {where}")
+                raise SourceError(f"{what} {text}: no such file or directory on {where}")
             return None
         if self._fetcher is None:
-            raise SourceError(f"model source {text}: this agent fetches nothing (no weights_dir)")
+            raise SourceError(f"{what} {text}: this agent fetches nothing (no weights_dir)")
         context: ssl.SSLContext | None = None
         if source.kind in (SourceKind.MIRROR_FILE, SourceKind.MIRROR_VERSION):
             url, context = self._mirror_url(text)
@@ -124,17 +160,19 @@ class Sources:
         self.fetches += 1
         name = cache_name(text)
         self._names[name] = text  # a name stands for one text: it is the text's hash
-        log.info("shard %s: fetching %s (%s)", spec.shard_id, text, name)
+        log.info("%s: fetching %s (%s)", f"shard {shard_id}" if shard_id else what, text, name)
         try:
             path = await self._fetcher.fetch(url, kind, source=text, ssl_context=context)
         except FetchError as exc:
-            raise SourceError(str(exc)) from None
+            message = str(exc)
+            # The Fetcher names the URL; a mirror's is not what the catalog wrote.
+            raise SourceError(message if text in message else f"{what} {text}: {message}") from None
         if self._on_fetched is not None:
             await self._on_fetched()
         if not source.version:
             return str(path)
-        if spec.engine == "llama-server":
-            return await trio.to_thread.run_sync(_first_gguf, text, path)
+        if engine == "llama-server":
+            return await trio.to_thread.run_sync(_first_gguf, f"{what} {text}", path)
         return str(path)
 
     def _mirror_url(self, text: str) -> tuple[str, ssl.SSLContext | None]:
@@ -168,10 +206,8 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _first_gguf(text: str, directory: Path) -> str:
+def _first_gguf(named: str, directory: Path) -> str:
     names = sorted(p.name for p in directory.iterdir() if p.name.endswith(".gguf"))
     if not names:
-        raise SourceError(
-            f"model source {text}: the version holds no .gguf file, which llama-server needs"
-        )
+        raise SourceError(f"{named}: the version holds no .gguf file, which llama-server needs")
     return str(directory / names[0])

@@ -24,9 +24,13 @@ last few failed shards' directories (logs included) are kept under
 Before a new shard's first process, its source is made ready (`_sources`: a
 local path checked, a URL or `mirror:` source fetched) inside the shard's task:
 the shard stays `starting` meanwhile, `stop` cancels the fetch with it, and a
-source that cannot be made ready fails it with that one line. Every argv
-element equal to the source is then the local path; run.json records that
+source that cannot be made ready fails it with that one line. Its LoRA
+adapters' sources are made ready with it. Every argv element equal to a source
+(or starting with one and ":") is then the local path; run.json records that
 argv, so adoption after a restart matches it and fetches nothing.
+
+`relaunch` starts a running shard again with other adapters (`_relaunch` says
+how; `replace` is its step that stops the old processes and starts the new).
 
 This module holds the coordination: which task runs what, in which order a
 shard starts, fails and stops, and what is reported.
@@ -45,7 +49,7 @@ from pathlib import Path
 import trio
 
 from llmgw import model
-from llmgw.agent import _adopt, _health, _processes, _procfs, _runfile, _shard_logs
+from llmgw.agent import _adopt, _health, _processes, _procfs, _relaunch, _runfile, _shard_logs
 from llmgw.agent._failed import FAILED_KEPT, FailedShards, read_kept
 
 # HealthPolicy is the supervisor's to configure: callers import it from here.
@@ -137,12 +141,20 @@ class Supervisor:
         return {p.pid for s in self._shards.values() for p in s.procs}
 
     def held_sources(self) -> tuple[str, ...]:
-        """The sources of every shard held that is not stopped (reclaim leaves them)."""
+        """The sources (model and adapters) of every shard held that is not stopped, and
+        of the specs being relaunched into: reclaim leaves them."""
+        specs = [s.spec for s in self._shards.values() if s.state is not ShardState.STOPPED]
+        specs += [s.pending for s in self._shards.values() if s.pending is not None]
         return tuple(
-            s.spec.source
-            for s in self._shards.values()
-            if s.spec.source is not None and s.state is not ShardState.STOPPED
+            text
+            for spec in specs
+            for text in ((spec.source,) if spec.source is not None else ()) + spec.adapter_sources
         )
+
+    async def prepare(self, spec: model.ShardSpec) -> dict[str, str]:
+        """The spec's sources made ready here (`Sources.prepare`); {} without Sources
+        (the argv then goes as written: a source is the engine's business)."""
+        return await self._sources.prepare(spec) if self._sources is not None else {}
 
     def shard_pids(self) -> dict[str, set[int]]:
         return {
@@ -228,9 +240,53 @@ class Supervisor:
         self._nursery.start_soon(self._supervise, shard, True)
         return shard.report()
 
+    # relaunch ------------------------------------------------------------------------
+
+    async def relaunch(
+        self, spec: model.ShardSpec, grace_s: float | None = None
+    ) -> model.ShardReport:
+        """Start the running shard `spec.shard_id` again from `spec`, which differs from
+        its spec only in its adapters (llmgw/agent/_relaunch.py says how and when)."""
+        return await _relaunch.relaunch(self, spec, self.grace_s if grace_s is None else grace_s)
+
+    def shard_of(self, shard_id: str) -> Shard | None:
+        return self._shards.get(shard_id)
+
+    async def replace(
+        self, shard: Shard, spec: model.ShardSpec, local: dict[str, str], grace_s: float
+    ) -> bool:
+        """Stop `shard`'s processes (its watchers first: this exit is no failure) and
+        start it again from `spec`, whose sources are ready at `local`. False when a
+        stop came first, or the engine failed first: the shard is then left to those.
+        Shielded: once its processes are signalled, the shard is restarted or stopped,
+        never left without a task watching it."""
+        assert self._nursery is not None, "Supervisor.run is not running"
+        with trio.CancelScope(shield=True):
+            shard.replacing = True
+            if shard.scope is not None:
+                shard.scope.cancel()
+            await _processes.terminate(shard, grace_s, self._proc)
+            with trio.move_on_after(10):
+                await shard.done.wait()
+        if shard.stopping or shard.state not in RUNNING_SHARD_STATES:
+            return False
+        # No checkpoint from here on: a stop now finds the shard starting again.
+        _runfile.write_spec(shard.dir, spec)
+        shard.spec, shard.procs, shard.local_paths, shard.prepared = spec, [], local, True
+        shard.health = HealthRun(self.health.failures)
+        shard.done, shard.scope, shard.replacing = trio.Event(), None, False
+        was = shard.state
+        self._apply(shard, ShardEvent.RELAUNCHED)
+        if was is ShardState.STARTING:  # `_set` saves and reports a change only
+            _runfile.save_run(shard)
+            self._on_change(shard.report())
+        self._nursery.start_soon(self._supervise, shard, True)
+        return True
+
     # supervise -----------------------------------------------------------------------
 
     async def _supervise(self, shard: Shard, launch: bool) -> None:
+        done = shard.done  # this run's: a relaunch gives the shard a new one for the next
         try:
             async with trio.open_nursery() as nursery:
                 shard.scope = nursery.cancel_scope
@@ -251,14 +307,15 @@ class Supervisor:
                 raise
             await self._fail(shard, _shard_logs.with_last_lines(shard, str(errors[0])))
         finally:
-            shard.done.set()
+            done.set()
 
     async def _launch_and_watch(self, shard: Shard, nursery: trio.Nursery) -> None:
-        if self._sources is not None:
+        if not shard.prepared:  # a relaunch made them ready before the old engine stopped
             try:
-                shard.local_source = await self._sources.prepare(shard.spec)
+                shard.local_paths = await self.prepare(shard.spec)
             except SourceError as exc:
                 raise ShardError(str(exc)) from None
+            shard.prepared = True
         for spec in shard.spec.processes:
             if shard.stopping:
                 return
@@ -275,7 +332,7 @@ class Supervisor:
         while record.poll(self._proc):  # noqa: ASYNC110
             await trio.sleep(0.2)
         code = record.exit_code
-        if shard.stopping:
+        if shard.stopping or shard.replacing:
             return
         how = f"exited with code {code}" if code is not None else "is gone"
         if code is not None and code < 0:
@@ -286,7 +343,9 @@ class Supervisor:
 
     async def _fail(self, shard: Shard, reason: str) -> None:
         # Two processes dying together both land here: the first one's reason stands.
-        if shard.stopping or shard.failing or shard.state not in RUNNING_SHARD_STATES:
+        if shard.stopping or shard.replacing or shard.failing:
+            return  # a stop, a relaunch or the first of two dying processes has it in hand
+        if shard.state not in RUNNING_SHARD_STATES:
             return
         shard.failing = True
         with trio.CancelScope(shield=True):
@@ -304,6 +363,8 @@ class Supervisor:
         if shard is None:
             raise NotFound(f"no shard {shard_id!r} on {self._where()}")
         shard.stopping = True
+        if shard.relaunch is not None:
+            shard.relaunch.cancel()  # a stop wins over a relaunch making its sources ready
         with trio.CancelScope(shield=True):
             await _processes.terminate(
                 shard, self.grace_s if grace_s is None else grace_s, self._proc

@@ -115,6 +115,7 @@ from llmgw.core._reconcile import (
     guard_release_at,
     reconcile,
 )
+from llmgw.core._relaunch import RELAUNCH_MAY_CHANGE, local_argv, relaunch_refusal
 from llmgw.core._replica import (
     ALIVE_REPLICA_STATES,
     REPLACED_REPLICA_STATES,
@@ -211,6 +212,7 @@ __all__ = [
     "NO_MATCH",
     "PARTIAL_SUFFIX",
     "POLICIES",
+    "RELAUNCH_MAY_CHANGE",
     "REPLACED_REPLICA_STATES",
     "RUNNING_SHARD_STATES",
     "TTFT_BOUNDS",
@@ -352,6 +354,7 @@ __all__ = [
     "learn",
     "learn_pace",
     "lease_ask",
+    "local_argv",
     "may_delete",
     "memory_faults",
     "merge",
@@ -372,6 +375,7 @@ __all__ = [
     "queued",
     "reconcile",
     "registered",
+    "relaunch_refusal",
     "rendezvous_weight",
     "restore_budget",
     "resume_plan",

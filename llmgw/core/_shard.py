@@ -13,6 +13,7 @@ missing from the table is a bug in the supervisor and raises.
 | HEALTH_LOST  | -        | unhealthy | unhealthy | unhealthy | -       | -       |
 | EXITED       | failed   | failed    | failed    | failed    | -       | -       |
 | STOP         | stopped  | stopped   | stopped   | stopped   | stopped | -       |
+| RELAUNCHED   | starting | starting  | starting  | starting  | -       | -       |
 
 - LAUNCHED: every process was spawned and every port waited for is open.
 - HEALTHY: a health check passed (`/health` answered 200 and `/v1/models`
@@ -26,6 +27,9 @@ missing from the table is a bug in the supervisor and raises.
 - EXITED: a process exited, was killed, or could not be started.
 - STOP: the shard was stopped on request; from failed it is the operator or
   the control plane clearing it away.
+- RELAUNCHED: a running shard's processes were stopped to start it again
+  from a spec that differs only in its LoRA adapters (`relaunchShard`): the
+  same shard, starting again, not a stop and a new start.
 
 A failed or stopped shard has no way back: a restart is a new start.
 
@@ -56,6 +60,7 @@ class ShardEvent(enum.StrEnum):
     HEALTH_LOST = "health_lost"
     EXITED = "exited"
     STOP = "stop"
+    RELAUNCHED = "relaunched"
 
 
 _S = ShardState
@@ -80,6 +85,10 @@ TRANSITIONS: dict[tuple[ShardState, ShardEvent], ShardState] = {
     (_S.UNHEALTHY, _E.EXITED): _S.FAILED,
     (_S.UNHEALTHY, _E.STOP): _S.STOPPED,
     (_S.FAILED, _E.STOP): _S.STOPPED,
+    (_S.STARTING, _E.RELAUNCHED): _S.STARTING,
+    (_S.LOADING, _E.RELAUNCHED): _S.STARTING,
+    (_S.READY, _E.RELAUNCHED): _S.STARTING,
+    (_S.UNHEALTHY, _E.RELAUNCHED): _S.STARTING,
 }
 
 # States in which the shard's processes are (or should be) running.

@@ -86,6 +86,40 @@ class AgentHandle(Handle):
         # The agent waits up to the grace for the engine to exit, then kills it.
         await self._call("stopShard", stop_shard, extra_s=grace_s)
 
+    async def relaunch_shard(
+        self, epoch: int, spec: model.ShardSpec, grace_s: float
+    ) -> model.ShardReport:
+        """Start the running shard `spec.shard_id` again from `spec` (other adapters,
+        nothing else): its sources made ready, then stopped with `grace_s`, then
+        started. Answers the shard starting again; shardStatus then says the rest."""
+        bridge = self._bridge
+
+        async def relaunch_shard() -> model.ShardReport:
+            request = bridge.cap(self._cap_id, "relaunchShard").relaunchShard_request()
+            request.epoch = epoch
+            _codec.encode(spec, request.init("spec"))
+            request.graceS = grace_s
+            response = await request.send()
+            report: model.ShardReport = _codec.decode(model.ShardReport, response.shard)
+            return report
+
+        # The agent waits up to the grace for the old engine to exit, after the fetch.
+        return await self._call("relaunchShard", relaunch_shard, extra_s=grace_s)
+
+    async def fetch_adapter(self, epoch: int, source: str, engine: str) -> str:
+        """`source` made ready on the node (single flight); the local path for `engine`."""
+        bridge = self._bridge
+
+        async def fetch_adapter() -> str:
+            request = bridge.cap(self._cap_id, "fetchAdapter").fetchAdapter_request()
+            request.epoch = epoch
+            request.source = source
+            request.engine = engine
+            response = await request.send()
+            return str(response.path)
+
+        return await self._call("fetchAdapter", fetch_adapter)
+
     async def logs(self, shard_id: str, lines: int) -> list[model.LogLine]:
         bridge = self._bridge
 
@@ -224,6 +258,17 @@ class AgentImpl(schema.Agent.Server):  # type: ignore[misc]
     async def stopShard_context(self, context: Any) -> None:
         params = context.params
         await self._call("stopShard", params.epoch, params.shardId, params.graceS)
+
+    async def relaunchShard_context(self, context: Any) -> None:
+        params = context.params
+        spec = _codec.decode(model.ShardSpec, params.spec)
+        report = await self._call("relaunchShard", params.epoch, spec, params.graceS)
+        _codec.encode(report, context.results.init("shard"))
+
+    async def fetchAdapter_context(self, context: Any) -> None:
+        params = context.params
+        path = await self._call("fetchAdapter", params.epoch, params.source, params.engine)
+        context.results.path = path
 
     async def logs_context(self, context: Any) -> None:
         params = context.params

@@ -69,6 +69,11 @@ AGENT_CALL_TABLE: tuple[AgentCall, ...] = (
     AgentCall("engineCheck", 6, "engine_check", 90.0),
     AgentCall("declareEngines", 7, "declare_engines"),
     AgentCall("logSources", 8, "log_sources"),
+    # Makes the new adapters' sources ready first (a fetch, like fetchAdapter's), then
+    # stops the engine; the handle adds the grace, as for stopShard.
+    AgentCall("relaunchShard", 9, "relaunch_shard", 300.0),
+    # A fetch of an adapter (10-200 MB; fetched once, however many ask).
+    AgentCall("fetchAdapter", 10, "fetch_adapter", 300.0),
 )
 # Placeholders in the schema, by name: ordinal. Each is refused as `NotImplementedRemotely`.
 RETIRED_AGENT_CALLS: Mapping[str, int] = {"obsoleteDrain": 2}

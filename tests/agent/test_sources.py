@@ -3,7 +3,6 @@ mirror on loopback (through a proxy that counts GETs and can be slowed)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import trio
 import trustme
+from helpers import CountingProxy as Proxy
 from helpers import loopback_pki, require
 
 from llmgw import config, model
@@ -64,55 +64,6 @@ async def wait_state(sup: Supervisor, shard_id: str, *states: str) -> model.Shar
                 if report.shard_id == shard_id and report.state in states:
                     return report
             await trio.sleep(0.02)
-
-
-BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError)
-
-
-class Proxy:
-    """Forwards to 127.0.0.1:upstream, counting the GETs; `delay_s` between 16 KiB
-    pieces of the answers makes a slow link."""
-
-    def __init__(self, upstream: int, delay_s: float = 0.0) -> None:
-        self.upstream = upstream
-        self.delay_s = delay_s
-        self.requests: list[bytes] = []
-
-    def gets(self) -> list[str]:
-        return [r.split(b" ")[1].decode() for r in self.requests if r.startswith(b"GET ")]
-
-    async def start(self, nursery: trio.Nursery) -> int:
-        listeners = await nursery.start(partial(trio.serve_tcp, self.handle, 0, host="127.0.0.1"))
-        return int(listeners[0].socket.getsockname()[1])
-
-    async def handle(self, client: trio.SocketStream) -> None:
-        upstream = await trio.open_tcp_stream("127.0.0.1", self.upstream)
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            async with upstream, client, trio.open_nursery() as nursery:
-
-                async def up() -> None:
-                    first = True
-                    with contextlib.suppress(*BROKEN):
-                        async for data in client:
-                            if first:
-                                self.requests.append(bytes(data))
-                                first = False
-                            await upstream.send_all(data)
-                    nursery.cancel_scope.cancel()
-
-                async def down() -> None:
-                    with contextlib.suppress(*BROKEN):
-                        async for data in upstream:
-                            view = bytes(data)
-                            while view:
-                                piece, view = view[:16384], view[16384:]
-                                await client.send_all(piece)
-                                if self.delay_s:
-                                    await trio.sleep(self.delay_s)
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(up)
-                nursery.start_soon(down)
 
 
 def version(root: Path) -> dict[str, bytes]:
@@ -375,7 +326,8 @@ async def test_a_source_bigger_than_the_disk_fails_the_shard_before_its_first_by
             # The mirror says the length: refused from its head, naming both sizes
             # (filling the disk and removing the partial: tests/agent/test_fetch.py).
             assert re.fullmatch(
-                rf"http://\S+/big\.gguf: needs 3\.0 MiB more in {re.escape(str(weights))}, "
+                rf"model source mirror:/big\.gguf: http://\S+/big\.gguf: needs 3\.0 MiB more in "
+                rf"{re.escape(str(weights))}, "
                 r"which has [0-9.]+ (KiB|MiB) free; nothing was fetched",
                 failed.reason,
             ), failed.reason

@@ -52,6 +52,10 @@ EXPECTED = {
     (UNHEALTHY, "exited"): FAILED,
     (UNHEALTHY, "stop"): STOPPED,
     (FAILED, "stop"): STOPPED,
+    (STARTING, "relaunched"): STARTING,
+    (LOADING, "relaunched"): STARTING,
+    (READY, "relaunched"): STARTING,
+    (UNHEALTHY, "relaunched"): STARTING,
 }
 
 
@@ -213,13 +217,15 @@ def test_from_ready_unhealthy_exactly_when_the_last_threshold_checks_failed(
 
 # What the supervisor can send in each state: a health check runs only once the
 # shard is launched and while it runs; a launch ends only the starting state; a
-# process can exit only while the shard runs; a stop comes in any state but stopped.
+# process can exit only while the shard runs; a stop comes in any state but stopped;
+# a relaunch takes only a running shard (llmgw/agent/_relaunch.py refuses the rest).
 SENT_IN = {
     "launched": {STARTING},
     "pass": {LOADING, READY, UNHEALTHY},
     "fail": {LOADING, READY, UNHEALTHY},
     "exit": set(RUNNING),
     "stop": set(ShardState) - {STOPPED},
+    "relaunch": set(RUNNING),
 }
 
 
@@ -229,7 +235,11 @@ def classify(op: str, run: HealthRun) -> ShardEvent:
         return run.observe(None)
     if op == "fail":
         return run.observe("timed out after 5 s")
-    return {"launched": ShardEvent.LAUNCHED, "exit": ShardEvent.EXITED}.get(op, ShardEvent.STOP)
+    return {
+        "launched": ShardEvent.LAUNCHED,
+        "exit": ShardEvent.EXITED,
+        "relaunch": ShardEvent.RELAUNCHED,
+    }.get(op, ShardEvent.STOP)
 
 
 def test_every_pair_the_supervisor_can_send_is_in_the_table_and_every_pair_is_reached() -> None:

@@ -34,7 +34,12 @@ def test_the_call_table_is_the_schemas_agent_interface() -> None:
         c.ordinal for c in _wire.AGENT_CALL_TABLE
     )
     known = {"startShard", "stopShard", "logs", "reclaim", "inventory", "engineCheck"}
-    assert set(_wire.AGENT_CALLS) == known | {"declareEngines", "logSources"}
+    assert set(_wire.AGENT_CALLS) == known | {
+        "declareEngines",
+        "logSources",
+        "relaunchShard",
+        "fetchAdapter",
+    }
 
 
 def test_drain_is_retired_and_nothing_calls_it() -> None:
@@ -84,6 +89,8 @@ def test_the_default_deadlines_come_from_the_table() -> None:
         "engineCheck": 90,
         "declareEngines": 7,
         "logSources": 7,
+        "relaunchShard": 300,
+        "fetchAdapter": 300,
     }
 
 
