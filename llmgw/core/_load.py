@@ -36,17 +36,32 @@ class RouterLoad:
     # no replica, hold past its bounds).
     ttft: tuple[int, ...] = (0,) * (len(TTFT_BOUNDS) + 1)
     rejected: int = 0
+    # Wall clock of the last request this router sent to an engine for it (None: none
+    # since it started): what the adapter manager's least-recently-used order reads.
+    last_used: float | None = None
 
     def as_json(self) -> list[object]:
-        return [self.queued, self.in_flight, self.uncached_tokens, list(self.ttft), self.rejected]
+        out: list[object] = [
+            self.queued, self.in_flight, self.uncached_tokens, list(self.ttft), self.rejected
+        ]  # fmt: skip
+        if self.last_used is not None:  # a reader from before it takes the five others
+            out.append(self.last_used)
+        return out
 
     @classmethod
     def from_json(cls, value: object) -> RouterLoad:
         """The inverse of `as_json`; raises ValueError naming what is wrong (a peer's
         report is not trusted to be well formed)."""
-        if not isinstance(value, list) or len(value) != 5:
-            raise ValueError("a load is [queued, in_flight, uncached_tokens, [ttft...], rejected]")
-        queued, in_flight, uncached, ttft, rejected = value
+        if not isinstance(value, list) or len(value) not in (5, 6):
+            raise ValueError(
+                "a load is [queued, in_flight, uncached_tokens, [ttft...], rejected(, last_used)]"
+            )
+        last = value[5] if len(value) == 6 else None
+        if last is not None and (
+            isinstance(last, bool) or not isinstance(last, (int, float)) or not math.isfinite(last)
+        ):
+            raise ValueError(f"last_used must be a unix time, not {last!r:.40}")
+        queued, in_flight, uncached, ttft, rejected = value[:5]
         counts = [queued, in_flight, uncached, rejected]
         if not all(_count(v) for v in counts):
             raise ValueError(f"load counts must be non-negative integers, not {counts}")
@@ -54,7 +69,7 @@ class RouterLoad:
             raise ValueError(f"ttft must be {len(TTFT_BOUNDS) + 1} bucket counts")
         if not all(_count(v) for v in ttft):
             raise ValueError("ttft bucket counts must be non-negative integers")
-        return cls(queued, in_flight, uncached, tuple(ttft), rejected)
+        return cls(queued, in_flight, uncached, tuple(ttft), rejected, last)
 
 
 def _count(value: object) -> bool:
@@ -73,12 +88,14 @@ def merge(loads: Iterable[RouterLoad]) -> RouterLoad:
     """The sum of several routers' loads for one model."""
     out = RouterLoad()
     for load in loads:
+        used = [t for t in (out.last_used, load.last_used) if t is not None]
         out = RouterLoad(
             out.queued + load.queued,
             out.in_flight + load.in_flight,
             out.uncached_tokens + load.uncached_tokens,
             tuple(a + b for a, b in zip(out.ttft, load.ttft, strict=True)),
             out.rejected + load.rejected,
+            max(used) if used else None,
         )
     return out
 

@@ -22,9 +22,10 @@ router's `loads()`).
 The engines take an adapter in their own form (`llmgw.engines.adapter_request`):
 vLLM by its registered name in `model`, which the client's request already carries;
 SGLang by that name in `lora_path` as well; llama-server by a `lora` list naming a
-scale for every adapter the replica holds. A llama-server replica's prompt caches mix adapters (tests/integration/
-test_llama_lora.py), so every request sent to one that holds adapters carries the
-whole list, all 0 for the base: `engine_body` does that at send time, per endpoint.
+scale for every adapter the replica holds. A llama-server replica's prompt caches mix
+adapters (tests/integration/test_llama_lora.py), so every request sent to one that
+holds adapters carries the whole list, all 0 for the base: `engine_body` does that at
+send time, per endpoint.
 """
 
 from __future__ import annotations
@@ -129,8 +130,9 @@ def engine_body(endpoint: Endpoint, body: bytes, adapter: str | None, scale: flo
     """`body` as `endpoint`'s engine takes it for `adapter` (None: the base): vLLM's is
     the client's; SGLang's names the adapter in `lora_path` too (and a base request
     loses a client's `lora_path`: it would pick an adapter the router never checked);
-    llama-server's, when this replica holds adapters, lists them all. Raises ValueError when `adapter` is not held
-    there (the router only sends an adapter to a replica listed as holding it)."""
+    llama-server's, when this replica holds adapters, lists them all. Raises ValueError
+    when `adapter` is not held there (the router only sends an adapter to a replica
+    listed as holding it)."""
     if endpoint.engine == "vllm":
         return body  # the client's `model` is the adapter's registered name already
     if endpoint.engine == "llama-server" and not endpoint.adapters:

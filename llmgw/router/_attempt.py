@@ -21,6 +21,7 @@ then retried elsewhere like a failed head.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import trio
@@ -297,6 +298,7 @@ class Attempts:
                 fleet.outbox,
                 self._load.of(model.name),
             )
+            self._load.of(model.name).last_used = time.time()  # LRU of adapters
             told = False  # whether the breaker has had the head's verdict
             try:
                 try:

@@ -29,12 +29,13 @@ _NO_TTFT = (0,) * (len(TTFT_BOUNDS) + 1)
 class ModelCounts:
     """One served name's counters (the attempt loop adds to `uncached` directly)."""
 
-    __slots__ = ("rejected", "ttft", "uncached")
+    __slots__ = ("last_used", "rejected", "ttft", "uncached")
 
     def __init__(self) -> None:
         self.uncached = 0.0  # estimated prompt tokens sent and not yet answered
         self.ttft = [0] * (len(TTFT_BOUNDS) + 1)
         self.rejected = 0
+        self.last_used: float | None = None  # wall clock of the last request sent
 
     def __repr__(self) -> str:
         first = sum(self.ttft)
@@ -87,5 +88,6 @@ class LoadCounters:
                 uncached_tokens=max(0, round(counts.uncached)) if counts else 0,
                 ttft=tuple(counts.ttft) if counts else _NO_TTFT,
                 rejected=counts.rejected if counts else 0,
+                last_used=counts.last_used if counts else None,
             )
         return out

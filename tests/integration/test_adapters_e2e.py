@@ -111,8 +111,13 @@ def test_adapters_load_on_demand_evict_lru_and_are_routed_by_name(
     key, other = cluster.api_key("team-a"), cluster.api_key("team-b")
     client = openai.OpenAI(base_url=cluster.router_url, api_key=key, timeout=TIMEOUT)
 
-    # 1. Listed with their parent (team-b does not see poet).
-    listed = {m.id: getattr(m, "parent", None) for m in client.models.list()}
+    # 1. Listed with their parent (team-b does not see poet); tiny once the router has
+    # read its engine.
+    def listing() -> dict[str, str | None] | None:
+        got = {m.id: getattr(m, "parent", None) for m in client.models.list()}
+        return got if "tiny" in got else None
+
+    listed = wait_for("tiny listed", listing, TIMEOUT)
     assert listed == {"tiny": None, "sql": "tiny", "support": "tiny", "poet": "tiny"}
     theirs = httpx.get(
         cluster.router_url + "/models", headers={"Authorization": f"Bearer {other}"}
@@ -128,7 +133,7 @@ def test_adapters_load_on_demand_evict_lru_and_are_routed_by_name(
     def one() -> None:
         try:
             answers.append(chat(client, "sql"))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     burst = [threading.Thread(target=one) for _ in range(20)]

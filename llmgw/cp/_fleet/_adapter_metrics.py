@@ -27,7 +27,9 @@ class AdapterCollector(Collector):
             labels=["adapter", "base"],
         )
         loading = GaugeMetricFamily(
-            "llmgw_adapter_loading", "1 while a load of the adapter is in flight", labels=["adapter"]
+            "llmgw_adapter_loading",
+            "1 while a load of the adapter is in flight",
+            labels=["adapter"],
         )
         loads = CounterMetricFamily(
             "llmgw_adapter_loads", "Loads of the adapter done by this leader", labels=["adapter"]

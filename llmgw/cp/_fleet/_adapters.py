@@ -37,6 +37,7 @@ since it was elected, and what replicas hold is re-read from the fleet.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -125,7 +126,6 @@ class AdapterManager:
         drain_s: float = 60.0,
         stop_grace_s: float = 30.0,
         http_timeout_s: float = 120.0,
-        clock: Callable[[], float] = trio.current_time,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._catalog = catalog
@@ -139,13 +139,13 @@ class AdapterManager:
         self.drain_s = drain_s
         self.stop_grace_s = stop_grace_s
         self._http_timeout_s = http_timeout_s
-        self._clock = clock
         self._wall = wall
         self._runtime: dict[str, tuple[str, ...]] = {}  # replica id -> held (vLLM/SGLang)
         self._loading: dict[str, str] = {}  # replica id -> the adapter it loads now
         self._out: set[str] = set()  # replica ids out of the router's view (relaunching)
         self._hidden: dict[str, set[str]] = {}  # replica id -> adapters being evicted
-        self._last_used: dict[str, float] = {}  # adapter -> clock value of its last demand
+        # adapter -> wall clock of its last request (the routers'), or of its last load
+        self._last_used: dict[str, float] = {}
         self.counts: dict[str, AdapterCounts] = {}
         self._nursery: trio.Nursery | None = None
 
@@ -211,7 +211,7 @@ class AdapterManager:
                 if self._acting() and self._catalog().adapters:
                     try:
                         await self._learn()
-                        self.step(self._clock())
+                        self.step(self._wall())
                     except Exception:  # one bad pass must not end the manager
                         log.exception("adapter manager pass failed")
                 await trio.sleep(self.tick_s)
@@ -270,14 +270,20 @@ class AdapterManager:
             return None
 
     def step(self, now: float) -> None:
-        """Plan a load for every adapter with requests waiting and none loading."""
+        """Plan a load for every adapter with requests waiting and none loading. `now`:
+        the wall clock (the routers' last uses are wall clock)."""
         catalog = self._catalog()
         adapters = catalog.adapters
         demand = {a.name: self._demand(a.name) for a in adapters}
         for name, d in demand.items():
-            if d is not None and (d.queued or d.in_flight):
-                self._last_used[name] = now
-                self.counts.setdefault(name, AdapterCounts()).last_used = self._wall()
+            if d is None:
+                continue
+            used = d.last_used
+            if d.queued or d.in_flight:
+                used = max(used or now, now)
+            if used is not None and used > self._last_used.get(name, -math.inf):
+                self._last_used[name] = used
+                self.counts.setdefault(name, AdapterCounts()).last_used = used
         for a in adapters:
             d = demand[a.name]
             if d is None or not d.queued:
@@ -343,6 +349,7 @@ class AdapterManager:
             self._events.record(ADAPTER_LOAD_FAILED, message, model_name=r.model_name)
         else:
             counts.loads += 1
+            self._last_used[adapter] = max(self._last_used.get(adapter, 0.0), self._wall())
             if evict is not None:
                 self.counts.setdefault(evict, AdapterCounts()).evictions += 1
                 message = f"{evict}: evicted from {r.replica_id} for {adapter}"

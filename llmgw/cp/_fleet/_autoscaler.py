@@ -197,8 +197,11 @@ class Autoscaler:
         parts = [p for p in (core.merge_loads(own) if own else None, self._by_name.get(name)) if p]
         if not parts:
             return None
+        used = [p.last_used for p in parts if p.last_used is not None]
         return core.RouterLoad(
-            queued=max(p.queued for p in parts), in_flight=max(p.in_flight for p in parts)
+            queued=max(p.queued for p in parts),
+            in_flight=max(p.in_flight for p in parts),
+            last_used=max(used) if used else None,
         )
 
     def lower(self, name: str, fewer: int, why: str) -> None:
