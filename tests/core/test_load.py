@@ -15,6 +15,7 @@ from llmgw.core import (
     LoadSample,
     RouterLoad,
     grown,
+    merge_loads,
     sample,
     ttft_bucket,
     ttft_quantile,
@@ -39,19 +40,33 @@ def buckets(*pairs: tuple[int, int]) -> tuple[int, ...]:
     st.integers(0, 10**9),
     st.lists(st.integers(0, 10**9), min_size=N, max_size=N),
     st.integers(0, 10**6),
+    st.none() | st.floats(0, 4e9),
 )
 def test_as_json_and_from_json_are_inverses(
-    queued: int, in_flight: int, uncached: int, ttft: list[int], rejected: int
+    queued: int, in_flight: int, uncached: int, ttft: list[int], rejected: int, used: float | None
 ) -> None:
-    load = RouterLoad(queued, in_flight, uncached, tuple(ttft), rejected)
+    load = RouterLoad(queued, in_flight, uncached, tuple(ttft), rejected, used)
     assert RouterLoad.from_json(load.as_json()) == load
+    # With no last use it is the five figures a reader from before last_used takes.
+    assert len(load.as_json()) == (5 if used is None else 6)
+
+
+def test_merged_last_use_is_the_latest() -> None:
+    loads = [RouterLoad(last_used=10.0), RouterLoad(), RouterLoad(last_used=30.0)]
+    assert merge_loads(loads).last_used == 30.0
+    assert merge_loads([RouterLoad(), RouterLoad()]).last_used is None
+
+
+SHAPE = "a load is [queued, in_flight, uncached_tokens, [ttft...], rejected(, last_used)]"
 
 
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ({"queued": 1}, "a load is [queued, in_flight, uncached_tokens, [ttft...], rejected]"),
-        ([0, 0, 0, [0] * N], "a load is [queued, in_flight, uncached_tokens, [ttft...], rejected]"),
+        ({"queued": 1}, SHAPE),
+        ([0, 0, 0, [0] * N], SHAPE),
+        ([0, 0, 0, [0] * N, 0, "now"], "last_used must be a unix time, not 'now'"),
+        ([0, 0, 0, [0] * N, 0, float("inf")], "last_used must be a unix time, not inf"),
         ([-1, 0, 0, [0] * N, 0], "load counts must be non-negative integers, not [-1, 0, 0, 0]"),
         ([0, 1.5, 0, [0] * N, 0], "load counts must be non-negative integers, not [0, 1.5, 0, 0]"),
         (
