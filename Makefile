@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/failover.py
 	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/autoscale.py
+	$(BIN)/python bench/adapters.py
 
 clean:
 	rm -rf $(VENV) demo-state dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

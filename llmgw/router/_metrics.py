@@ -194,6 +194,13 @@ class RouterMetrics:
             ["model", "reason"],
             registry=registry,
         )
+        self.adapter_requests = Counter(
+            "llmgw_router_adapter_requests",
+            "Requests for a LoRA adapter by whether a replica held it when they came (yes) "
+            "or they waited for a load (no)",
+            ["model", "loaded"],
+            registry=registry,
+        )
         registry.register(_StateCollector(fleet))
         if held is not None:
             registry.register(_HeldCollector(held))
@@ -234,6 +241,9 @@ class RouterMetrics:
 
     def refused(self, model: str, band: str, reason: str) -> None:
         self.refusals.labels(model, band, reason).inc()
+
+    def adapter_request(self, model: str, loaded: bool) -> None:
+        self.adapter_requests.labels(model, "yes" if loaded else "no").inc()
 
     def hold_refused(self, model: str, reason: str) -> None:
         self.hold_refusals.labels(model, reason).inc()

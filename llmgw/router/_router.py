@@ -471,6 +471,8 @@ class Router:
     ) -> None:
         """A model with no replica held (or 503), admission (429 on a full queue or a
         queue timeout), then the attempt loop."""
+        if model.adapter is not None:  # found its adapter loaded, or waits for a load
+            self.metrics.adapter_request(model.name, bool(model.endpoints))
         if not model.endpoints:
             model = await self.holds.ready(model)
         adm = model.admission

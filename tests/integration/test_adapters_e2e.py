@@ -55,6 +55,17 @@ def adapters(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in rows}
 
 
+def sample(text: str, name: str, **labels: str) -> float:
+    """One sample's value in Prometheus text (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
 def usage_by_model(cluster: LocalCluster, tenant: str) -> dict[str, int]:
     data = json.loads(cluster.ctl("usage", "--tenant", tenant, "--since", "24h", "--json").stdout)
     out: dict[str, int] = {}
@@ -186,6 +197,15 @@ def test_adapters_load_on_demand_evict_lru_and_are_routed_by_name(
     def counted() -> dict[str, int] | None:
         got = usage_by_model(cluster, "team-a")
         return got if got.get("sql", 0) >= 23 else None
+
+    # Each sql request counted by whether it found sql loaded: the burst's waited.
+    metrics = httpx.get(cluster.admin_url + "/metrics", timeout=10).text
+    found = {
+        loaded: sample(metrics, "llmgw_router_adapter_requests_total", model="sql", loaded=loaded)
+        for loaded in ("yes", "no")
+    }
+    assert found["yes"] + found["no"] == 23 and found["no"] >= 1 and found["yes"] >= 3, found
+    assert sample(metrics, "llmgw_adapter_evictions_total", adapter="support") == 1
 
     by_model = wait_for("usage of sql counted", counted, 60)
     assert by_model["sql"] == 23 and by_model["support"] == 1 and by_model["poet"] == 1
