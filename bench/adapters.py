@@ -218,7 +218,7 @@ def main() -> int:
             cluster.stop_all()
 
     ok = sum(1 for _, _, good in measured.rows if good)
-    failed = len(measured.rows) - ok + sum(1 for _, _, good in warm.rows if not good)
+    failed = sum(1 for loop in (warm, measured) for _, _, good in loop.rows if not good)
     rate = ok / opts.seconds
     share = (yes1 - yes0) / max(1.0, (yes1 - yes0) + (no1 - no0))
     warm_share = yes0 / max(1.0, yes0 + no0)

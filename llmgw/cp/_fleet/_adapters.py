@@ -142,6 +142,7 @@ class AdapterManager:
         self._wall = wall
         self._runtime: dict[str, tuple[str, ...]] = {}  # replica id -> held (vLLM/SGLang)
         self._loading: dict[str, str] = {}  # replica id -> the adapter it loads now
+        self._jobs: dict[str, Replica] = {}  # replica id -> the replica as its load began
         self._out: set[str] = set()  # replica ids out of the router's view (relaunching)
         self._hidden: dict[str, set[str]] = {}  # replica id -> adapters being evicted
         # adapter -> wall clock of its last request (the routers'), or of its last load
@@ -291,18 +292,23 @@ class AdapterManager:
             m = catalog.model(a.base)
             if m is None:
                 continue
-            replicas = [r for r in self._replicas(catalog, m) if r.replica_id not in self._out]
-            views = [self._view(r, demand, now) for r in replicas]
+            # A replica loading something counts with its slots as they will be (a
+            # llama-server being relaunched is not ready meanwhile): a plan that picks
+            # it waits for that load, rather than evicting elsewhere.
+            replicas = {r.replica_id: r for r in self._replicas(catalog, m)}
+            replicas |= {rid: r for rid, r in self._jobs.items() if r.model_name == m.name}
+            views = [self._view(r, demand, now) for r in replicas.values()]
             plan = core.plan_adapter(a.name, views, now, base=m.name)
             if plan.action != "load" or plan.replica_id is None:
                 continue
             if plan.replica_id in self._loading:
                 continue
-            r = next(r for r in replicas if r.replica_id == plan.replica_id)
+            r = replicas[plan.replica_id]
             if plan.holders and engines.adapter_api(r.engine) is None:
                 continue  # a second copy would cost a relaunch: the holders serve it
             log.info("adapter %s: %s", a.name, plan.reason)
             self._loading[r.replica_id] = a.name
+            self._jobs[r.replica_id] = r
             if plan.evict is not None:
                 self._hidden.setdefault(r.replica_id, set()).add(plan.evict)
             if r.engine == "llama-server":
@@ -314,7 +320,9 @@ class AdapterManager:
     def _view(
         self, r: Replica, demand: Mapping[str, core.RouterLoad | None], now: float
     ) -> core.ReplicaAdapters:
-        held = self.held(r.replica_id, r.shard)
+        held = r.shard.adapters if r.engine == "llama-server" else self._runtime.get(r.replica_id)
+        hidden = self._hidden.get(r.replica_id, set())
+        held = tuple(a for a in held or () if a not in hidden)
         loading = self._loading.get(r.replica_id)
         views = []
         for name in held:
@@ -359,6 +367,7 @@ class AdapterManager:
             self._events.record(ADAPTER_LOADED, message, model_name=r.model_name)
         finally:
             self._loading.pop(r.replica_id, None)
+            self._jobs.pop(r.replica_id, None)
             self._out.discard(r.replica_id)
             self._hidden.pop(r.replica_id, None)
             self._refresh()
