@@ -89,6 +89,7 @@ class Holds:
                 name,
                 f"{len(waiting)} requests already wait for it ({bound})",
                 min(waiting.values()) - now,
+                model.adapter.base if model.adapter is not None else None,
             )
         me = next(self._ids)
         waiting[me] = now + hold.s
@@ -106,6 +107,9 @@ class Holds:
             if not waiting and self._held.get(name) is waiting:
                 del self._held[name]
         self._refuse(name, "timeout")
+        if model.adapter is not None:
+            waited = f"it was waited for {hold.s:g} s (ctl adapters says why)"
+            raise _surface.not_started(name, waited, 1.0, model.adapter.base)
         raise _surface.not_started(name, f"it was waited for {hold.s:g} s (hold_s)", 1.0)
 
     def _refuse(self, name: str, reason: str) -> None:

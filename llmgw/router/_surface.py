@@ -386,14 +386,21 @@ def no_replica(model: str, *, reachable: bool = False) -> HttpError:
     )
 
 
-def not_started(model: str, detail: str, retry_after_s: float) -> HttpError:
+def not_started(
+    model: str, detail: str, retry_after_s: float, base: str | None = None
+) -> HttpError:
     """A request for a model at zero replicas that its hold did not keep (full, or held
-    its longest): 503 with Retry-After, as for no replica (the same code)."""
+    its longest): 503 with Retry-After, as for no replica (the same code). `base`: the
+    model is a LoRA adapter of it, which no replica holds yet."""
     seconds = max(1, math.ceil(retry_after_s))
+    what = (
+        f"the adapter {model!r} is not loaded yet: a replica of {base!r} is to load it"
+        if base is not None
+        else f"the model {model!r} is not available yet: its first replica is starting"
+    )
     return HttpError(
         503,
-        f"the model {model!r} is not available yet: its first replica is starting and "
-        f"{detail}; retry after {seconds} s",
+        f"{what} and {detail}; retry after {seconds} s",
         type="service_unavailable",
         code="no_ready_replica",
         headers=((b"retry-after", b"%d" % seconds),),

@@ -182,3 +182,31 @@ async def test_a_request_for_an_adapter_none_holds_waits_for_a_holder(
         (resp,) = answers
         assert resp.status_code == 200, resp.text
         assert resp.json()["model"] == "sql"
+
+
+async def test_an_adapter_not_loaded_within_its_hold_gets_a_503_naming_it(
+    start_engine: Callable[..., FakeEngine],
+) -> None:
+    fe = start_engine("tiny", engine="vllm")
+    async with serve_router([]) as r, httpx.AsyncClient(timeout=30) as h:
+        r.source.replace(
+            [held(fe, "r1", "tiny", ())],
+            ["tiny", "sql"],
+            holds={"sql": Hold(10, 0.3)},
+            adapters={"sql": AdapterRoute("tiny")},
+        )
+        r.router.refresh()
+        resp = await h.post(r.base_url + "/chat/completions", headers=AUTH_A, json=body("sql"))
+        assert resp.status_code == 503, resp.text
+        assert int(resp.headers["retry-after"]) >= 1
+        error = resp.json()["error"]
+        assert error["type"] == "service_unavailable"
+        assert error["message"].startswith(
+            "the adapter 'sql' is not loaded yet: a replica of 'tiny' is to load it and it "
+            "was waited for 0.3 s (ctl adapters says why)"
+        ), error
+        metrics = r.router.metrics_registry
+        from prometheus_client import generate_latest
+
+        text = generate_latest(metrics).decode()
+        assert 'llmgw_router_adapter_requests_total{loaded="no",model="sql"} 1.0' in text
