@@ -130,7 +130,6 @@ class Router:
         self.keys = (
             keys if isinstance(keys, CachedKeys) else CachedKeys(keys, config.key_cache_ttl_s)
         )
-        self._use_prefix = config.policy == "prefix"
         self._admin = AdminKey(admin_key)
         self._affinity = config.affinity_header.lower().encode() if config.affinity_header else None
         self.tenants = TenantAdmission(worker, config.workers, budget)
@@ -218,7 +217,7 @@ class Router:
         for an unknown model. A route without a prompt (embeddings, audio) is explained
         with no prompt: its choice is by load alone.
         """
-        return explanation(self.fleet, model, self._prompt(path, request, model), affinity)
+        return explanation(self.fleet, model, _prompt(self.fleet, path, request, model), affinity)
 
     # --- background ------------------------------------------------------------------------
 
@@ -374,16 +373,6 @@ class Router:
             raise _surface.invalid_key()
         return key
 
-    def _prompt(self, path: str, request: dict[str, Any], name: str) -> Prompt | None:
-        text = _surface.prompt_bytes(path, request)
-        if text is None:
-            return None
-        # An adapter's prompts are its own: cached under it, of no use to the base.
-        under = name if name in self.fleet.adapters() else ""
-        size = self.config.prefix_block_bytes
-        blocks = tuple(chain(text, size, under)) if self._use_prefix else ()
-        return Prompt(text, blocks, _surface.output_limit(request))
-
     async def _inference(
         self, scope: Scope, receive: Receive, send: Send, route: Route, record: Record
     ) -> None:
@@ -415,7 +404,7 @@ class Router:
             if split is not None:
                 request = {**request, "model": name}
                 body = renamed(request)
-            prompt = self._prompt(path, request, name)
+            prompt = _prompt(self.fleet, path, request, name)
             if stream and not explaining:
                 usage_body = ask_usage(path, request)
                 # What a continuation would extend: the request asking for the usage
@@ -497,6 +486,21 @@ class Router:
             await self._attempts.run(model, ask, send, record)
         finally:
             self.fleet.wake(adm.withdraw(req_id, trio.current_time()))
+
+
+def _prompt(fleet: Fleet, path: str, request: dict[str, Any], name: str) -> Prompt | None:
+    """The request's prompt as the router weighs it (None: a route without one); under
+    the prefix policy its blocks' chain, from a salt of the adapter's name for a LoRA
+    adapter (its prompts are cached under it, of no use to the base)."""
+    text = _surface.prompt_bytes(path, request)
+    if text is None:
+        return None
+    config = fleet.config
+    under = name if name in fleet.adapters() else ""
+    blocks = (
+        tuple(chain(text, config.prefix_block_bytes, under)) if config.policy == "prefix" else ()
+    )
+    return Prompt(text, blocks, _surface.output_limit(request))
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:

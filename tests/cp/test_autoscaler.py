@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import trio
 
 from llmgw import core
@@ -155,5 +156,34 @@ async def test_run_writes_its_row_and_a_standby_decides_nothing(tmp_path: Path) 
         m = CATALOG.model("tiny")
         assert m is not None and standby.count(m) == 1  # what runs: it decided nothing
         assert standby.scales()[0].decision is None
+    finally:
+        await store.aclose()
+
+
+async def test_an_adapters_demand_is_this_cps_routers_now_plus_the_others_last_rows(
+    tmp_path: Path,
+) -> None:
+    """What the adapter manager reads (`demand`): the own routers' figures as they are
+    now (a request answered since the last step no longer counts), plus the other control
+    planes' routers' as their rows said at the last step, with the latest last use."""
+    store = await open_store(tmp_path, timeout_s=10)
+    wall = Clock()
+    mine: dict[str, dict[str, core.RouterLoad]] = {"w0": {"sql": load(2, 1)}}
+    try:
+        leader = Autoscaler(lambda: CATALOG, lambda: mine, store, "cp-a:1", lambda: True,
+                            Events(), wall=wall)  # fmt: skip
+        standby = Autoscaler(lambda: CATALOG, dict, store, "cp-b:1", lambda: False, Events(),
+                             wall=wall)  # fmt: skip
+        theirs = attrs.evolve(load(1, 3), last_used=500.0)
+        await standby._publish({"w0": {"sql": theirs}})
+        await leader._read_others()
+        leader.step(mine, 0.0)
+        got = leader.demand("sql")
+        assert got is not None and (got.queued, got.in_flight, got.last_used) == (3, 4, 500.0)
+        # The own request was answered since: only the standby's figures remain.
+        mine["w0"]["sql"] = attrs.evolve(load(0, 0), last_used=900.0)
+        got = leader.demand("sql")
+        assert got is not None and (got.queued, got.in_flight, got.last_used) == (1, 3, 900.0)
+        assert leader.demand("nobody") is None
     finally:
         await store.aclose()

@@ -179,8 +179,9 @@ def test_two_control_planes_with_two_workers_each_hold_one_tenants_rpm(
     # The 429s say why, and when the next window starts (or, while a lease is on its way
     # to that worker, a second).
     # The leader's signal summed every router: both of its own and both of the standby's.
+    # (Their figures are gauges read once a second of requests that take milliseconds
+    # here: that they are summed right is tests/cp/test_autoscaler.py's.)
     assert loads and max(x["routers"] for x in loads) == 4, loads[-3:]
-    assert max(x["in_flight"] for x in loads) > 0, loads[-3:]
     assert refusals, "no 429 was answered"
     for message, retry_after in refusals:
         assert message.startswith("tenant team-a: over its 600 requests per minute; retry in")

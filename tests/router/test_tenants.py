@@ -90,7 +90,8 @@ def test_tokens_go_into_debt_and_refuse_until_refilled(tpm: int, spent: int, lat
         wait = refused.retry_after_s
         assert wait is not None
         true_wait = left / (tpm / 60)  # the first whole second at or after it
-        assert wait >= 1 and true_wait - 1e-6 <= wait < max(true_wait, 1) + 1 + 1e-6
+        # (to 1e-4 s: the limiter and this test compute it in different float orders)
+        assert wait >= 1 and true_wait - 1e-4 <= wait < max(true_wait, 1) + 1 + 1e-4
     elif left < -1e-3:
         assert refused is None
 

@@ -137,7 +137,8 @@ class Autoscaler:
         self._routers: dict[str, int] = {}  # model -> routers its last sample summed
         self._changes: dict[str, tuple[core.AutoscaleDecision, float]] = {}
         self._was_acting = False
-        self._by_name: dict[str, core.RouterLoad] = {}  # served name -> last step's sum
+        # served name -> the other control planes' routers' sum at the last step
+        self._others_by_name: dict[str, core.RouterLoad] = {}
 
     def __repr__(self) -> str:
         return f"<Autoscaler {self._cp} {len(self._state)} models>"
@@ -189,20 +190,17 @@ class Autoscaler:
         return samples[-1].queued if samples else None
 
     def demand(self, name: str) -> core.RouterLoad | None:
-        """What the routers hold of served name `name` now (queued and in flight, the
-        gauges): the larger of this control plane's own routers read now and every
-        router's sum at the last step; None: no router reports it. Read by the adapter
-        manager (llmgw/cp/_fleet/_adapters.py), for which this runs with adapters too."""
-        own = [models[name] for models in self._loads().values() if name in models]
-        parts = [p for p in (core.merge_loads(own) if own else None, self._by_name.get(name)) if p]
-        if not parts:
-            return None
-        used = [p.last_used for p in parts if p.last_used is not None]
-        return core.RouterLoad(
-            queued=max(p.queued for p in parts),
-            in_flight=max(p.in_flight for p in parts),
-            last_used=max(used) if used else None,
-        )
+        """What the routers hold of served name `name` now (queued, in flight, last use):
+        this control plane's own routers read now, plus the other control planes' as
+        their rows said at the last step (never this one's own as sampled then: a
+        request answered since would still look queued); None: no router reports it.
+        Read by the adapter manager (llmgw/cp/_fleet/_adapters.py), for which this runs
+        with adapters too."""
+        parts = [models[name] for models in self._loads().values() if name in models]
+        theirs = self._others_by_name.get(name)
+        if theirs is not None:
+            parts.append(theirs)
+        return core.merge_loads(parts) if parts else None
 
     def lower(self, name: str, fewer: int, why: str) -> None:
         """A higher priority takes `fewer` of `name`'s replicas (never below its min)."""
@@ -299,6 +297,7 @@ class Autoscaler:
         routers: list[tuple[str, Loads]] = [(self._cp, own)]
         routers += [(cp, loads) for cp, loads, at in self._others if at >= fresh]
         grown: list[dict[str, core.RouterLoad]] = []
+        theirs: list[Mapping[str, core.RouterLoad]] = []
         seen: set[tuple[str, str, str]] = set()
         reporting: dict[str, set[tuple[str, str]]] = {}  # served name -> routers
         for cp, loads in routers:
@@ -311,9 +310,11 @@ class Autoscaler:
                     one[name] = core.grown(self._last.get(key), load)
                     self._last[key] = load
                 grown.append(one)
+                if cp != self._cp:
+                    theirs.append(models)
         self._last = {k: v for k, v in self._last.items() if k in seen}
         by_name = core.merge_models(grown)
-        self._by_name = by_name
+        self._others_by_name = core.merge_models(theirs)
         changed = False
         for m in self._catalog().models:
             if m.autoscale is None:
