@@ -55,6 +55,7 @@ from llmgw.errors import LlmgwError
 
 log = logging.getLogger("llmgw.cp.adapters")
 
+LEARN_EVERY_S = 5.0  # an engine whose listing said nothing is asked again after this
 ADAPTER_LOADED = "adapter_loaded"  # the event kinds
 ADAPTER_EVICTED = "adapter_evicted"
 ADAPTER_LOAD_FAILED = "adapter_load_failed"
@@ -143,6 +144,7 @@ class AdapterManager:
         self._runtime: dict[str, tuple[str, ...]] = {}  # replica id -> held (vLLM/SGLang)
         self._loading: dict[str, str] = {}  # replica id -> the adapter it loads now
         self._jobs: dict[str, Replica] = {}  # replica id -> the replica as its load began
+        self._asked: dict[str, float] = {}  # replica id -> when its engine's listing was read
         self._out: set[str] = set()  # replica ids out of the router's view (relaunching)
         self._hidden: dict[str, set[str]] = {}  # replica id -> adapters being evicted
         # adapter -> wall clock of its last request (the routers'), or of its last load
@@ -249,6 +251,10 @@ class AdapterManager:
                     continue
                 if r.replica_id in self._loading:
                     continue
+                now = self._wall()
+                if now - self._asked.get(r.replica_id, -math.inf) < LEARN_EVERY_S:
+                    continue
+                self._asked[r.replica_id] = now
                 rec = self._registry.record(r.node_id)
                 if rec is None or r.shard.port is None:
                     continue
