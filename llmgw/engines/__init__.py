@@ -5,6 +5,7 @@ Pure: no I/O, no trio, no subprocess. The agent's supervisor performs a
 engine's `--help` with `check_flags`; the scraper reads `metric_names`. LoRA
 adapters: `adapter_api` (a load or unload as an `HttpCall`), `adapter_request`
 (a request in the engine's form), `listed_adapters` (what its listing says).
+A share of a card: `EngineProfile.gpu_memory_fraction`, from `memory_fraction`.
 """
 
 from llmgw.engines._adapters import (
@@ -15,6 +16,7 @@ from llmgw.engines._adapters import (
 )
 from llmgw.engines._flags import check_flags, help_warnings
 from llmgw.engines._load import EngineLoad, parse_load, parse_samples, slots_usage
+from llmgw.engines._memory import memory_fraction
 from llmgw.engines._plan import help_commands, metric_names, plan_launch, widest_command
 from llmgw.engines._probe import PROBE_HEADER, PROBE_PATH, generates, probe_body
 from llmgw.engines._types import (
@@ -59,6 +61,7 @@ __all__ = [
     "help_commands",
     "help_warnings",
     "listed_adapters",
+    "memory_fraction",
     "metric_names",
     "parse_load",
     "parse_samples",

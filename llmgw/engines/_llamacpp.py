@@ -16,6 +16,10 @@ With several GPUs llama-server splits the model by layers across all the
 cards it can see (its `--split-mode layer` default): that is neither tensor
 nor pipeline parallelism in llmgw's terms, so a llama-server profile keeps
 tp 1, pp 1, and simply gets `gpus_per_node` cards.
+
+A share of a card (`gpu_memory_fraction`) adds nothing to its command line:
+llama-server has no option that holds it to a memory budget (`_memory` says
+why `--fit-target` is not one), so its share is enforced by the watch only.
 """
 
 from __future__ import annotations

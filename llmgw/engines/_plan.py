@@ -80,10 +80,10 @@ def widest_command(engine: str) -> tuple[str, ...]:
 
     Built by planning the shapes that between them produce every flag
     (multi-node leader and worker ranks, pipeline parallelism, quantization,
-    served names, LoRA adapters) and merging their engine command lines, so it cannot drift
-    from what `plan_launch` writes. Values are placeholders. Ray's own
-    commands (vLLM multi-node) are not part of it: Ray is another program
-    with another help.
+    served names, LoRA adapters, a share of a card) and merging their engine
+    command lines, so it cannot drift from what `plan_launch` writes. Values
+    are placeholders. Ray's own commands (vLLM multi-node) are not part of
+    it: Ray is another program with another help.
     """
     if engine not in ENGINES:
         raise _unknown(engine)
@@ -109,6 +109,7 @@ def widest_command(engine: str) -> tuple[str, ...]:
         quantization="QUANTIZATION",
         max_adapters=2,
         max_adapter_rank=16,
+        gpu_memory_fraction=0.5,
     )
     shapes = [base, attrs.evolve(base, multinode="native")] if engine == "vllm" else [base]
     commands: list[tuple[str, ...]] = []

@@ -3,7 +3,8 @@
 Flag spellings from SGLang's server_args.py and docs/advanced_features/
 server_arguments.md: `--model-path`, `--host`, `--port`, `--served-model-name`
 (one name), `--tp-size` (alias of `--tensor-parallel-size`), `--pp-size`
-(alias of `--pipeline-parallel-size`), `--quantization`, `--enable-metrics`
+(alias of `--pipeline-parallel-size`), `--quantization`,
+`--mem-fraction-static` (a share of a card: `_memory`), `--enable-metrics`
 (off by default: without it there is no /metrics), `--enable-cache-report`
 (off by default: without it the usage has no
 `prompt_tokens_details.cached_tokens`, and the router's prefix index never
@@ -22,7 +23,7 @@ to SGLang's default port 30000, which another replica on the node may hold.
 
 from __future__ import annotations
 
-from llmgw.engines import _adapters
+from llmgw.engines import _adapters, _memory
 from llmgw.engines._common import (
     BIND_HOST,
     HEALTH_PATH,
@@ -94,6 +95,7 @@ def plan(profile: EngineProfile, assignment: Assignment, *, program: str = PROGR
     if profile.quantization is not None:
         argv += ["--quantization", profile.quantization]
     argv += ["--enable-metrics", "--enable-cache-report"]
+    argv += _memory.memory_args(profile)  # every rank: each allocates on its own cards
     argv += _adapters.launch_args(profile)  # every rank: server args must agree
     if profile.nodes > 1:
         argv += [

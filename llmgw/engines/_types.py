@@ -62,6 +62,12 @@ class EngineProfile:
     accepts (None: the engine's default; SGLang has none and needs it).
     `adapters`: the ones held from launch, in id order; llama-server only (vLLM
     and SGLang start empty and load at run time, so they ignore it).
+
+    `gpu_memory_fraction`: the share of each of its cards the replica may use,
+    0 < f <= 1, when it shares them with other replicas (None: the whole cards,
+    and no memory flag is written). vLLM gets `--gpu-memory-utilization F`,
+    SGLang `--mem-fraction-static F`; llama-server has no flag that holds it to
+    a budget, so it gets nothing (see `_llamacpp`).
     """
 
     engine: EngineName
@@ -79,6 +85,7 @@ class EngineProfile:
     max_adapters: int = 0
     max_adapter_rank: int | None = None
     adapters: tuple[LaunchAdapter, ...] = ()
+    gpu_memory_fraction: float | None = None
 
 
 @attrs.frozen

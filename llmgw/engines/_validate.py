@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmgw.engines import _adapters, _llamacpp, _sglang, _vllm
+from llmgw.engines import _adapters, _llamacpp, _memory, _sglang, _vllm
 from llmgw.engines._common import owned_conflicts, plural
 from llmgw.engines._types import ENGINES, Assignment, EngineConfigError, EngineProfile
 from llmgw.model import Gpu
@@ -83,6 +83,7 @@ def profile_problems(profile: EngineProfile) -> list[str]:
     if adapter is not None:
         problems += adapter.profile_problems(profile)
     problems += lora_problems(profile)
+    problems += _memory.memory_problems(profile)
     return problems
 
 
@@ -186,6 +187,7 @@ def group_problems(
                 f"the profile needs {profile.gpus_per_node} per node"
             )
     problems += _mixed_classes(nodes)
+    problems += _mig_problems(nodes)
     classes = {g.gpu_class for _, gpus in nodes for g in gpus}
     if len(classes) == 1 and profile.gpu_class not in classes:
         (have,) = classes
@@ -214,6 +216,22 @@ def _mixed_classes(nodes: Sequence[tuple[int, Sequence[Gpu]]]) -> list[str]:
             problems.append(
                 f"node {index} has {', '.join(others)}, node {ref_index} has {ref_class}: "
                 "one replica must use one GPU type"
+            )
+    return problems
+
+
+def _mig_problems(nodes: Sequence[tuple[int, Sequence[Gpu]]]) -> list[str]:
+    """A replica placed on MIG instances runs on one: a CUDA process enumerates a single
+    MIG device however many CUDA_VISIBLE_DEVICES lists (NVIDIA's MIG user guide, "CUDA
+    Device Enumeration"), so a second one would sit idle while the engine assumes it."""
+    problems: list[str] = []
+    for index, gpus in nodes:
+        migs = [g.uuid for g in gpus if g.uuid.startswith("MIG-")]
+        if len(migs) > 1:
+            problems.append(
+                f"node {index} offers {len(migs)} MIG instances ({', '.join(migs)}) for one "
+                "replica: a CUDA process uses only one MIG instance, so a replica on MIG "
+                "takes exactly one"
             )
     return problems
 

@@ -3,6 +3,7 @@
 Flag spellings were read from vLLM's source and docs (see the report in the
 commit): `--host`, `--port`, `--served-model-name` (one or more names),
 `--tensor-parallel-size`, `--pipeline-parallel-size`, `--quantization`,
+`--gpu-memory-utilization` (a share of a card: `_memory`),
 `--distributed-executor-backend {ray,mp}`, `--enable-prompt-tokens-details`
 (a frontend flag: without it vLLM's usage has no
 `prompt_tokens_details.cached_tokens`, and the router's prefix index never
@@ -25,7 +26,7 @@ rank 0 serves HTTP, the others run `--headless`.
 
 from __future__ import annotations
 
-from llmgw.engines import _adapters
+from llmgw.engines import _adapters, _memory
 from llmgw.engines._common import (
     BIND_HOST,
     HEALTH_PATH,
@@ -169,6 +170,7 @@ def _shape_args(profile: EngineProfile) -> list[str]:
         args += ["--pipeline-parallel-size", str(profile.pp)]
     if profile.quantization is not None:
         args += ["--quantization", profile.quantization]
+    args += _memory.memory_args(profile)  # every rank's workers allocate on their cards
     # Every rank: the LoRA layers are part of the model each worker builds.
     return args + _adapters.launch_args(profile)
 

@@ -43,9 +43,10 @@ def vllm(version: str) -> model.EngineDecl:
 
 def before_versions_counted(m: CatalogModel, p: Profile) -> str:
     """The fingerprint as llmgw computed it before engine versions were in it (and before
-    a profile had the adapter keys, which stay out of it while unset)."""
+    a profile had the adapter keys and the share of a card, which stay out of it while
+    unset)."""
     shape = config.unstructure(p)
-    for key in ("max_adapters", "max_adapter_rank"):
+    for key in ("max_adapters", "max_adapter_rank", "gpu_memory_gib", "mig"):
         assert shape.pop(key) is None
     body = {"source": m.source, "served_names": list(m.names), "profile": shape}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]

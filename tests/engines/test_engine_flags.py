@@ -59,6 +59,14 @@ ParallelConfig:
                         distributed node rank for multi-node distributed
                         inference when distributed_executor_backend is mp.
 
+CacheConfig:
+  Configuration for the KV cache.
+
+  --gpu-memory-utilization GPU_MEMORY_UTILIZATION
+                        The fraction of GPU memory to be used for the model
+                        executor, which can range from 0 to 1. This is a
+                        per-instance limit. (default: 0.9)
+
 LoRAConfig:
   Configuration for LoRA.
 
@@ -168,6 +176,7 @@ def test_cut_off_mid_line() -> None:
     result = check_flags(cut, widest_command("vllm"))
     # "--master-port" was cut to "--master", and what followed it is gone.
     assert result.missing == (
+        "--gpu-memory-utilization",
         "--enable-lora",
         "--max-loras",
         "--max-lora-rank",

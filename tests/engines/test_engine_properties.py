@@ -6,6 +6,7 @@ import ast
 from collections import Counter
 from pathlib import Path
 
+import attrs
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -64,6 +65,10 @@ def gpu_shapes(draw: st.DrawFn) -> tuple[EngineProfile, Assignment]:
         quantization=draw(st.sampled_from([None, "fp8", "awq"])),
         engine_args=draw(EXTRA_ARGS),
     )
+    if not (engine == "vllm" and "--gpu-memory-utilization=0.85" in profile.engine_args):
+        # a share of each card (the operator's own vLLM setting would be refused with it)
+        share = draw(st.sampled_from([None, 0.01, 0.25, 0.5, 1.0]))
+        profile = attrs.evolve(profile, gpu_memory_fraction=share)
     rank = draw(st.integers(0, nodes - 1))
     adapters = draw(
         st.lists(st.integers(0, 17).map(lambda i: f"mlx5_{i}"), min_size=1, max_size=4, unique=True)

@@ -9,7 +9,8 @@ and, when server.yaml's `engines:` declares the profile's engine, its declared
 version (`Catalog.engine_versions`): declaring another version rolls the models
 that run it. An engine not declared adds nothing, so a fleet without `engines:`
 keeps the fingerprints it had before versions counted. Likewise a profile's
-`max_adapters`/`max_adapter_rank` enter its fingerprint only once set, and the
+`max_adapters`/`max_adapter_rank` and its share of a card (`gpu_memory_gib`, `mig`:
+llmgw/cp/_fleet/_catalog_sharing.py) enter its fingerprint only once set, and the
 `adapters:` section (llmgw/cp/_fleet/_catalog_adapters.py) never does: adding an
 adapter rolls nothing.
 """
@@ -24,7 +25,7 @@ from typing import Any
 import attrs
 
 from llmgw import config, core, engines, model
-from llmgw.cp._fleet import _catalog_adapters, _traffic
+from llmgw.cp._fleet import _catalog_adapters, _catalog_sharing, _traffic
 from llmgw.cp._fleet._catalog_adapters import CatalogAdapter as CatalogAdapter
 from llmgw.errors import ConfigError
 
@@ -52,6 +53,10 @@ class Profile:
     # the replica takes none. Their highest rank; None: the engine's default.
     max_adapters: int | None = None
     max_adapter_rank: int | None = None
+    # A share of a card (llmgw/cp/_fleet/_catalog_sharing.py): GiB of each card, or one MIG
+    # instance of this profile ("3g.40gb"); None for both: whole cards.
+    gpu_memory_gib: float | None = None
+    mig: str | None = None
 
     @property
     def cards(self) -> int:
@@ -207,7 +212,8 @@ def fingerprint(m: CatalogModel, profile: Profile, engine_version: str | None = 
     (not declared) leaves the body as it was before versions counted, so fleets
     without `engines:` are not rolled by an upgrade."""
     shape = config.unstructure(profile)
-    for key in ("max_adapters", "max_adapter_rank"):  # unset: the body as before adapters
+    # Unset: the body as it was before adapters and shares of a card existed.
+    for key in ("max_adapters", "max_adapter_rank", "gpu_memory_gib", "mig"):
         if shape.get(key) is None:
             del shape[key]
     body: dict[str, object] = {
@@ -220,7 +226,12 @@ def fingerprint(m: CatalogModel, profile: Profile, engine_version: str | None = 
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def engine_profile(model: CatalogModel, profile: Profile) -> engines.EngineProfile:
+def engine_profile(
+    model: CatalogModel, profile: Profile, *, gpu_memory_fraction: float | None = None
+) -> engines.EngineProfile:
+    """`profile` of `model` as the engines take it. `gpu_memory_fraction`: its share of
+    each card, which only the card placement picks can tell (`engines.memory_fraction`
+    of `gpu_memory_gib` and that card's size); None: whole cards, or not yet placed."""
     port_range = tuple(profile.port_range) if profile.port_range else None
     return engines.EngineProfile(
         engine=profile.engine,  # type: ignore[arg-type]  # checked by validate_catalog
@@ -237,6 +248,7 @@ def engine_profile(model: CatalogModel, profile: Profile) -> engines.EngineProfi
         port_range=port_range,  # type: ignore[arg-type]
         max_adapters=profile.max_adapters or 0,
         max_adapter_rank=profile.max_adapter_rank,
+        gpu_memory_fraction=gpu_memory_fraction,
     )
 
 
@@ -315,6 +327,7 @@ def _profile_problems(model: CatalogModel, p: Profile, where: str) -> list[str]:
     if p.startup_timeout_s <= 0:
         problems.append(f"{where}.startup_timeout_s: must be positive")
     problems += _catalog_adapters.profile_problems(p.max_adapters, p.max_adapter_rank, where)
+    problems += _catalog_sharing.sharing_problems(p, where)
     if problems:
         return problems
     try:
