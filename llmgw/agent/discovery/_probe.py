@@ -55,6 +55,15 @@ from ._host import (
     parse_proc_stat,
 )
 from ._ib import advertise_fabrics, read_ib_adapters
+from ._mig import (
+    MIG_MODE_FIELDS,
+    join_mig,
+    mig_warnings,
+    parse_mig_modes,
+    parse_smi_list,
+    parse_smi_q_mig,
+    pending_of,
+)
 from ._mounts import Mount, is_shared_fstype, parse_mountinfo
 from ._nvml import NvmlLoader, NvmlUnavailable, load_pynvml, read_nvml
 from ._runner import Runner, RunResult, SubprocessRunner
@@ -158,6 +167,9 @@ def probe_gpus(
     topo: Topology | None = None
     gpus: tuple[Gpu, ...] | None = probe.gpus
     if topology and gpus:
+        # Reported, never acted on: a reset would stop whatever runs on the card.
+        warnings.extend(mig_warnings(gpus))
+    if topology and gpus:
         gpus, topo, topo_warning = _topology(runner, gpus, nvml_links)
         if topo_warning:
             warnings.append(topo_warning)
@@ -219,6 +231,8 @@ def _smi_gpus(runner: Runner, llmgw_pids: Collection[int], *, versions: bool) ->
     else:
         logger.warning("nvidia-smi %s failed (%s)", apps_query, a.describe())
     gpus = tuple(attrs.evolve(g, foreign_memory_mib=foreign.get(g.uuid)) for g in gpus)
+    if versions:
+        gpus = _smi_mig(runner, gpus)
 
     driver = cuda = None
     # Only the plain table prints the CUDA version; not worth a run per heartbeat.
@@ -230,6 +244,49 @@ def _smi_gpus(runner: Runner, llmgw_pids: Collection[int], *, versions: bool) ->
         except ParseError as e:
             logger.info("driver version unknown: %s", e)
     return GpuProbe(gpus, None, driver, cuda, (), "nvidia-smi")
+
+
+def _smi_mig(runner: Runner, gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
+    """The cards with their MIG mode and, where enabled, instances (module _mig).
+
+    Asked once per inventory, not per heartbeat: instances change only when
+    an operator makes them. A driver that does not know the mode fields
+    (before MIG, 450) leaves the mode unknown.
+    """
+    query = f"--query-gpu={','.join(MIG_MODE_FIELDS)}"
+    r = _smi(runner, query, "--format=csv")
+    if not r.ok:
+        logger.info("MIG mode unknown: nvidia-smi %s: %s", query, r.describe())
+        return gpus
+    try:
+        modes = parse_mig_modes(r.stdout, source=f"nvidia-smi {query}")
+    except ParseError as e:
+        logger.warning("MIG mode unknown: %s", e)
+        return gpus
+    gpus = tuple(
+        attrs.evolve(g, mig_mode=modes[g.uuid][0], mig_pending=pending_of(*modes[g.uuid]))
+        if g.uuid in modes
+        else g
+        for g in gpus
+    )
+    if not any(g.mig_mode == "enabled" for g in gpus):
+        return gpus
+    listed = _smi(runner, "-L")
+    queried = _smi(runner, "-q")
+    try:
+        instances = parse_smi_list(listed.stdout) if listed.ok else ()
+        by_bus = parse_smi_q_mig(queried.stdout) if queried.ok else {}
+    except ParseError as e:
+        logger.warning("MIG instances unknown: %s", e)
+        return gpus
+    if not listed.ok:
+        logger.warning("MIG instances unknown: nvidia-smi -L: %s", listed.describe())
+    return tuple(
+        attrs.evolve(g, mig_devices=join_mig(instances, by_bus, g))
+        if g.mig_mode == "enabled"
+        else g
+        for g in gpus
+    )
 
 
 def _topology(
