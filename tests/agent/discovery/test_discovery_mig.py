@@ -6,7 +6,10 @@ The recordings are one H100 80GB HBM3 with MIG enabled and four instances
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -266,3 +269,30 @@ def test_a_pending_mode_change_is_a_node_warning_and_nothing_is_reset(tmp_path: 
     # Reported, not acted on: nothing resets the card or changes its mode.
     acting = [c for c in runner.calls if {"-r", "--gpu-reset", "-mig"} & set(c) or "mig" in c]
     assert acting == []
+
+
+def test_fake_nvidia_smi_answers_the_recorded_mig_lines(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "LLMGW_FAKE_GPUS": "1xh100-80g,1xh100-80g,1xl40s-45g",
+        "LLMGW_FAKE_SMI_L_FILE": str(SMI_L),
+        "LLMGW_FAKE_SMI_MIG_PENDING": "1:Enabled",
+    }
+    smi = [sys.executable, "-m", "llmgw.testing.fake_nvidia_smi"]
+    listed = subprocess.run([*smi, "-L"], env=env, capture_output=True, text=True, check=True)
+    recorded = SMI_L.read_text().splitlines()
+    lines = listed.stdout.splitlines()
+    # Card 0 carries the recording's instances, byte for byte; the others none.
+    assert lines[1:5] == recorded[1:5] and len(lines) == 7
+    modes = subprocess.run(
+        [*smi, f"--query-gpu={','.join(MIG_MODE_FIELDS)}", "--format=csv"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert [tuple(v) for v in parse_mig_modes(modes.stdout).values()] == [
+        ("enabled", "enabled"),
+        ("disabled", "enabled"),  # a change waiting for the reset
+        (None, None),  # an L40S has no MIG: [N/A]
+    ]
