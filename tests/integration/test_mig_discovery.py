@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+import httpx
+
 from llmgw.testing import fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for
 from tests.helpers import FIXTURES
@@ -51,4 +53,17 @@ def test_mig_instances_reach_the_control_plane(cluster: LocalCluster, tmp_path: 
     assert (
         "gpu 0: MIG mode change pending a GPU reset (enabled -> disabled)"
         in mig1["inventory"]["warnings"]
+    )
+    # The table and the node page say it compactly.
+    table = cluster.ctl("nodes").stdout
+    row = next(line for line in table.splitlines() if line.startswith("mig-1"))
+    assert "1xh100-80g; gpu 0 MIG 3g.40gb,2g.20gb,2x1g.10gb" in row
+    with httpx.Client(base_url=cluster.admin_url, timeout=10) as client:
+        r = client.post("/admin/login", data={"key": cluster.admin_key})
+        assert r.status_code in (200, 303), r.text
+        page = client.get("/admin/nodes/mig-1")
+    assert page.status_code == 200
+    assert (
+        '<small data-field="gpu-mig">MIG 3g.40gb, 2g.20gb, 2x1g.10gb '
+        "(disabled after a GPU reset)</small>" in page.text
     )

@@ -25,6 +25,7 @@ from llmgw.agent.discovery import (
     QueriedMig,
     RunResult,
     collect_inventory,
+    format_inventory,
     parse_mig_modes,
     parse_smi_list,
     parse_smi_q_mig,
@@ -256,6 +257,12 @@ def test_a_pending_mode_change_is_a_node_warning_and_nothing_is_reset(tmp_path: 
     assert (gpu.mig_mode, gpu.mig_pending) == ("enabled", "disabled")
     assert gpu.mig_devices == EXPECTED  # still enabled until the reset: the instances are real
     assert warning in inv.warnings
+    text = format_inventory(inv)
+    assert "mig enabled (next reset: disabled)" in text
+    assert (
+        "MIG 3g.40gb  MIG-00000000-0000-0000-0000-000000000000  gi 2  ci 0  mem 40448 MiB" in text
+    )
+    assert warning in text
     # NVML: the same.
     inv = collect_inventory(
         root=tmp_path,
