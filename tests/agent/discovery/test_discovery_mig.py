@@ -303,3 +303,23 @@ def test_fake_nvidia_smi_answers_the_recorded_mig_lines(tmp_path: Path) -> None:
         ("disabled", "enabled"),  # a change waiting for the reset
         (None, None),  # an L40S has no MIG: [N/A]
     ]
+
+
+def test_instances_nvidia_smi_cannot_list_are_a_warning_and_ids_it_cannot_query_unknown() -> None:
+    # -L fails: the card is still MIG-enabled, its instances unknown, and the node says so.
+    runner = smi_runner()
+    runner.answers[("nvidia-smi", "-L")] = RunResult(9, "", "Unable to determine the device handle")
+    probe = probe_gpus(runner, nvml=None)
+    (gpu,) = probe.gpus or ()
+    assert (gpu.mig_mode, gpu.mig_devices) == ("enabled", ())
+    assert [w for w in probe.warnings if "MIG" in w] == [
+        "gpu 0: MIG enabled, instances unknown: nvidia-smi -L failed (exit status 9: "
+        "Unable to determine the device handle)"
+    ]
+    # -q fails: the instances from -L, with their ids and memory unknown (not 0).
+    runner = smi_runner()
+    runner.answers[("nvidia-smi", "-q")] = RunResult(2, "Invalid combination", "")
+    (gpu,) = probe_gpus(runner, nvml=None).gpus or ()
+    assert gpu.mig_devices == tuple(
+        MigDevice(d.uuid, d.profile, None, None, None) for d in EXPECTED
+    )
