@@ -223,6 +223,11 @@ TARGETS: dict[str, Target] = {
         Target("http_request", _http_request, _HTTP_SEEDS),
         Target("kernel_log_xids", _kernel_log, _fixtures("kernlog-*")),
         Target("smi_q_memory", d.parse_smi_q_memory, _fixtures("q-*", "smiq-*")),
+        Target("smi_q_mig", d.parse_smi_q_mig, _fixtures("q-*")),
+        Target("smi_list", d.parse_smi_list, _fixtures("smil-*")),
+        Target(
+            "mig_modes", d.parse_mig_modes, _fixtures("csv-mig-*", "csv-h100-mig-*", "csv-l40s-*")
+        ),
         Target("stream_join", _stream_join, _SSE_SEEDS),
         Target("usage_strip", _usage_strip, _USAGE_SEEDS),
     )

@@ -36,6 +36,7 @@ __all__ = [
     "Inventory",
     "Label",
     "LogLine",
+    "MigDevice",
     "NicDistance",
     "NodeView",
     "NvLink",
@@ -58,6 +59,22 @@ __all__ = [
 
 
 @attrs.frozen
+class MigDevice:
+    """One MIG instance of a card: what CUDA_VISIBLE_DEVICES names ("MIG-..." uuid).
+
+    `profile` is the driver's name for its size ("3g.40gb": 3 compute slices,
+    about 40 GB); `memory_mib` its own memory; the GPU and compute instance
+    ids are the driver's (`nvidia-smi -q`, NVML), None where it did not say.
+    """
+
+    uuid: str
+    profile: str
+    memory_mib: int | None = None
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+
+
+@attrs.frozen
 class Gpu:
     """One NVIDIA card as the driver reports it."""
 
@@ -74,6 +91,10 @@ class Gpu:
     foreign_memory_mib: int | None = None  # held by processes llmgw did not start
     numa_node: int | None = None
     cpu_affinity: str | None = None  # "0-47,96-143" as topo -m prints it
+    mig_mode: str | None = None  # "enabled" / "disabled"; None: unknown or not a MIG card
+    # The mode after the next GPU reset, only when it differs from mig_mode.
+    mig_pending: str | None = None
+    mig_devices: tuple[MigDevice, ...] = ()  # the card's MIG instances, when mig_mode is enabled
 
 
 @attrs.frozen

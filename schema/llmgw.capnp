@@ -28,6 +28,17 @@ struct Gpu {
   foreignMemoryMib @10 :OptI64;
   numaNode @11 :OptI64;
   cpuAffinity @12 :Text;
+  migMode @13 :Text;  # "enabled" / "disabled"; null: unknown
+  migPending @14 :Text;  # the mode after the next GPU reset, when it differs
+  migDevices @15 :List(MigDevice);
+}
+
+struct MigDevice {
+  uuid @0 :Text;  # MIG-...
+  profile @1 :Text;  # 3g.40gb
+  memoryMib @2 :OptI64;
+  gpuInstance @3 :OptI64;
+  computeInstance @4 :OptI64;
 }
 
 struct NvLink { a @0 :Int32; b @1 :Int32; links @2 :Int32; }

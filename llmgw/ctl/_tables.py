@@ -76,7 +76,8 @@ def _pair(used: int | None, total: int | None) -> str:
 
 
 def _gpus(gpus: list[dict[str, Any]] | None, usage: list[dict[str, Any]] | None = None) -> str:
-    """`8xh100-80g`, then each card its agent marked unhealthy, and why."""
+    """`8xh100-80g`, then each card in MIG mode with its instances
+    (`gpu 0 MIG 3g.40gb,2x1g.10gb`), then each card its agent marked unhealthy, and why."""
     if gpus is None:
         return "-"  # unknown: the agent could not tell
     if not gpus:
@@ -85,8 +86,18 @@ def _gpus(gpus: list[dict[str, Any]] | None, usage: list[dict[str, Any]] | None 
     for gpu in gpus:
         counts[gpu["gpu_class"]] = counts.get(gpu["gpu_class"], 0) + 1
     cell = ",".join(f"{n}x{cls}" for cls, n in sorted(counts.items()))
+    cell += "".join(f"; gpu {g['index']} {_mig(g)}" for g in gpus if g.get("mig_mode") == "enabled")
     sick = [_unhealthy(u) for u in usage or () if u.get("health") == "unhealthy"]
     return cell + "".join(f"; {s}" for s in sick)
+
+
+def _mig(gpu: dict[str, Any]) -> str:
+    """`MIG 3g.40gb,2g.20gb,2x1g.10gb`: the instances by profile, in the card's order."""
+    counts: dict[str, int] = {}
+    for d in gpu.get("mig_devices") or ():
+        counts[d["profile"]] = counts.get(d["profile"], 0) + 1
+    profiles = ",".join(p if n == 1 else f"{n}x{p}" for p, n in counts.items())
+    return f"MIG {profiles or 'no instances'}"
 
 
 def _unhealthy(usage: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ statuses:
 - `--query-gpu=F1,F2,... --format=csv[,noheader][,nounits]`;
 - `--query-compute-apps=gpu_uuid,pid,used_memory --format=csv[,...]`;
 - `topo -m`: the matrix, NIC columns with a NIC legend;
-- `-L`: one line per card.
+- `-L`: one line per card (and its MIG instances, from a recording).
 
 Environment variables:
 
@@ -46,6 +46,18 @@ LLMGW_FAKE_SMI_ECC
 LLMGW_FAKE_SMI_Q_FILE
     A recorded `nvidia-smi -q` output answered to `-q` (with any `-d`); unset,
     `-q` is refused as an invalid combination of arguments (exit 2).
+LLMGW_FAKE_SMI_L_FILE
+    A recorded `nvidia-smi -L` output whose `MIG <profile> Device <n>: (UUID:
+    MIG-...)` lines are answered to `-L` under the fake cards: the recording's
+    first GPU's instances under card 0, and so on. A card with instances
+    there has `mig.mode.current` Enabled; other cards of a class that has MIG
+    (h100, h200, a100) Disabled; the rest `[N/A]`, as the real one prints.
+    With it, also set LLMGW_FAKE_SMI_Q_FILE to the same card's `-q` (whose
+    `MIG Device` sections carry the instance ids and memory) and
+    LLMGW_FAKE_SMI_BUS_IDS to the bus id that recording names.
+LLMGW_FAKE_SMI_MIG_PENDING
+    `mig.mode.pending` where it differs: `<gpu index>:<Enabled|Disabled>`
+    comma-separated (a mode change waiting for a GPU reset).
 LLMGW_FAKE_SMI_DRIVER, LLMGW_FAKE_SMI_CUDA
     Versions in the table header (default 550.54.15 and 12.4).
 LLMGW_FAKE_NICS
@@ -70,6 +82,7 @@ __all__ = [
     "CLASSES",
     "DRIVER_FAILED",
     "GPU_FIELDS",
+    "MIG_CLASSES",
     "NO_DEVICES",
     "UNITS",
     "Card",
@@ -113,7 +126,10 @@ GPU_FIELDS = (
     "utilization.gpu",
     "driver_version",
     "count",
+    "mig.mode.current",
+    "mig.mode.pending",
 )
+MIG_CLASSES = ("h100-80g", "h200-140g", "a100-80g", "a100-40g")
 APP_FIELDS = ("gpu_uuid", "pid", "used_memory", "used_gpu_memory", "process_name")
 UNITS = {"memory.total": "MiB", "memory.used": "MiB", "memory.free": "MiB",
          "utilization.gpu": "%", "used_memory": "MiB", "used_gpu_memory": "MiB"}  # fmt: skip
@@ -173,7 +189,36 @@ def _gpu_value(card: Card, field: str, n: int) -> str:
         "driver_version": os.environ.get("LLMGW_FAKE_SMI_DRIVER", "550.54.15"),
         "count": str(n),
     }
+    if field.startswith("mig.mode."):
+        return _mig_mode(card, field)
     return values[field]
+
+
+def _recorded_migs() -> list[list[str]]:
+    """The MIG lines of LLMGW_FAKE_SMI_L_FILE, grouped by the GPU line above them."""
+    recorded = os.environ.get("LLMGW_FAKE_SMI_L_FILE")
+    groups: list[list[str]] = []
+    for line in Path(recorded).read_text().splitlines() if recorded else ():
+        if line.startswith("GPU "):
+            groups.append([])
+        elif line.strip().startswith("MIG ") and groups:
+            groups[-1].append(line)
+    return groups
+
+
+def _mig_mode(card: Card, field: str) -> str:
+    if card.cls not in MIG_CLASSES:
+        return "[N/A]"
+    groups = _recorded_migs()
+    current = "Enabled" if card.index < len(groups) and groups[card.index] else "Disabled"
+    if field == "mig.mode.current":
+        return current
+    pending = dict(
+        p.split(":", 1)
+        for p in os.environ.get("LLMGW_FAKE_SMI_MIG_PENDING", "").split(",")
+        if ":" in p
+    )
+    return pending.get(str(card.index), current).strip()
 
 
 def _csv(fields: list[str], rows: list[list[str]], fmt: str) -> str:
@@ -340,8 +385,11 @@ def main(argv: list[str]) -> int:
         if not found:
             print(NO_DEVICES)
             return 6
+        groups = _recorded_migs()
         for c in found:
             print(f"GPU {c.index}: {c.name} (UUID: {c.uuid})")
+            for line in groups[c.index] if c.index < len(groups) else ():
+                print(line)
         return 0
     recorded_q = os.environ.get("LLMGW_FAKE_SMI_Q_FILE")
     if argv[:1] == ["-q"] and recorded_q:

@@ -246,8 +246,10 @@ async def test_reconnects_register_with_one_discovery_and_a_fresh_usage_sample_e
     assert runner.count() == 1  # the bare table: driver and CUDA versions
     assert sum(1 for c in runner.commands if c[1:] == ("-c", "import sglang")) == 1
     # ... and every registration carried the whole inventory and a usage sample
-    # of its own (one GPU query for discovery, then one per registration).
-    assert runner.count_prefix("--query-gpu=") == 1 + node.statistics()["hellos"]
+    # of its own (two GPU queries for discovery, the cards and their MIG mode, then
+    # one per registration).
+    assert runner.count_prefix("--query-gpu=") == 2 + node.statistics()["hellos"]
+    assert runner.count_prefix("--query-gpu=uuid,mig.mode.current") == 1
     for hello in cp.hellos[:4]:
         inv = hello.inventory
         assert inv.gpus is not None

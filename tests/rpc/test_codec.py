@@ -104,3 +104,29 @@ async def test_unknown_is_not_zero_on_the_wire() -> None:
     assert unknown.memory_available_bytes is None and unknown.load1 is None
     # An inventory whose GPUs could not be told apart from one with none.
     assert model.Inventory(host=model.Host("h")).gpus is None
+
+
+async def test_a_mig_card_and_its_instances_roundtrip() -> None:
+    # As recorded on an H100 with four MIG instances (tests/data/INDEX.md).
+    gpu = model.Gpu(
+        index=0,
+        uuid="GPU-00000000-0000-0000-0000-000000000000",
+        name="NVIDIA H100 80GB HBM3",
+        gpu_class="h100-80g",
+        mig_mode="enabled",
+        mig_pending="disabled",
+        mig_devices=(
+            model.MigDevice("MIG-00000000-0000-0000-0000-000000000000", "3g.40gb", 40448, 2, 0),
+            model.MigDevice("MIG-00000003-0000-0000-0000-000000000003", "1g.10gb", None, 10, None),
+        ),
+    )
+    async with CapnpThread.open() as bridge:
+
+        async def check() -> tuple[object, object]:
+            old = model.Gpu(index=1, uuid="GPU-x", name="n", gpu_class="c")
+            return roundtrip(gpu, schema.Gpu), roundtrip(old, schema.Gpu)
+
+        back, old = await bridge.run(check)
+    assert back == gpu
+    # A card from an agent that says nothing of MIG: unknown, not "disabled".
+    assert old.mig_mode is None and old.mig_pending is None and old.mig_devices == ()  # type: ignore[attr-defined]

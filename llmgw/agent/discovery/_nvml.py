@@ -10,13 +10,14 @@ probe falls back to nvidia-smi.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-from llmgw.model import Gpu, NvLink
+from llmgw.model import Gpu, MigDevice, NvLink
 
 from ._smi import ComputeApp, gpu_class
 
@@ -30,6 +31,10 @@ _NVML_FEATURE_ENABLED = 1
 _NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
 _NVML_VOLATILE_ECC = 0
 _NVML_NVLINK_MAX_LINKS = 18
+_NVML_DEVICE_MIG_ENABLE = 1
+_NVML_DEVICE_MIG_DISABLE = 0
+# A MIG device's name is its card's with the profile appended: "... MIG 3g.40gb".
+_MIG_PROFILE_IN_NAME = re.compile(r"\bMIG\s+(\S+)\s*$")
 
 
 class NvmlUnavailable(Exception):
@@ -125,6 +130,7 @@ def read_nvml(nvml: Any, *, with_nvlinks: bool = True) -> NvmlReading:
             )
             volatile = getattr(nvml, "NVML_VOLATILE_ECC", _NVML_VOLATILE_ECC)
             ecc = call("nvmlDeviceGetTotalEccErrors", h, uncorrected, volatile)
+            mode, pending, mig_devices = _mig(nvml, call, h)
             gpus.append(
                 Gpu(
                     index=i,
@@ -139,6 +145,9 @@ def read_nvml(nvml: Any, *, with_nvlinks: bool = True) -> NvmlReading:
                     else None,
                     ecc_uncorrected=ecc if isinstance(ecc, int) else None,
                     utilization_pct=float(util_gpu) if isinstance(util_gpu, int | float) else None,
+                    mig_mode=mode,
+                    mig_pending=pending,
+                    mig_devices=mig_devices,
                 )
             )
             handles.append(h)
@@ -150,6 +159,51 @@ def read_nvml(nvml: Any, *, with_nvlinks: bool = True) -> NvmlReading:
             nvml.nvmlShutdown()
         except Exception as e:
             logger.debug("nvmlShutdown: %s", e)
+
+
+def _mig(
+    nvml: Any, call: Callable[..., Any], h: Any
+) -> tuple[str | None, str | None, tuple[MigDevice, ...]]:
+    """The card's MIG mode, its pending mode when that differs, and its instances.
+
+    A card without MIG (or a driver that cannot say) is (None, None, ()). An
+    instance whose UUID or profile NVML does not give is left out, with a
+    debug line: without them it cannot be named in CUDA_VISIBLE_DEVICES.
+    """
+    modes = call("nvmlDeviceGetMigMode", h)
+    if not isinstance(modes, list | tuple) or len(modes) != 2:
+        return None, None, ()
+    enable = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", _NVML_DEVICE_MIG_ENABLE)
+    disable = getattr(nvml, "NVML_DEVICE_MIG_DISABLE", _NVML_DEVICE_MIG_DISABLE)
+    names = {enable: "enabled", disable: "disabled"}
+    current, pending = names.get(modes[0]), names.get(modes[1])
+    pending = pending if pending is not None and pending != current else None
+    if current != "enabled":
+        return current, pending, ()
+    count = call("nvmlDeviceGetMaxMigDeviceCount", h)
+    devices: list[MigDevice] = []
+    for i in range(count if isinstance(count, int) else 0):
+        mh = call("nvmlDeviceGetMigDeviceHandleByIndex", h, i)
+        if mh is None:
+            continue  # no instance at this index (the driver answers NOT_FOUND)
+        uuid = _text(call("nvmlDeviceGetUUID", mh))
+        m = _MIG_PROFILE_IN_NAME.search(_text(call("nvmlDeviceGetName", mh)) or "")
+        if uuid is None or m is None:
+            logger.debug("NVML MIG device %d: no UUID or no profile in its name; left out", i)
+            continue
+        total = getattr(call("nvmlDeviceGetMemoryInfo", mh), "total", None)
+        gi = call("nvmlDeviceGetGpuInstanceId", mh)
+        ci = call("nvmlDeviceGetComputeInstanceId", mh)
+        devices.append(
+            MigDevice(
+                uuid=uuid,
+                profile=m.group(1),
+                memory_mib=total // _MIB if isinstance(total, int) else None,
+                gpu_instance=gi if isinstance(gi, int) else None,
+                compute_instance=ci if isinstance(ci, int) else None,
+            )
+        )
+    return current, pending, tuple(devices)
 
 
 def _apps(procs: Any, uuid: str) -> tuple[ComputeApp, ...] | None:

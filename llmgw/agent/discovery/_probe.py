@@ -55,6 +55,17 @@ from ._host import (
     parse_proc_stat,
 )
 from ._ib import advertise_fabrics, read_ib_adapters
+from ._mig import (
+    MIG_MODE_FIELDS,
+    ListedMig,
+    QueriedMig,
+    join_mig,
+    mig_warnings,
+    parse_mig_modes,
+    parse_smi_list,
+    parse_smi_q_mig,
+    pending_of,
+)
 from ._mounts import Mount, is_shared_fstype, parse_mountinfo
 from ._nvml import NvmlLoader, NvmlUnavailable, load_pynvml, read_nvml
 from ._runner import Runner, RunResult, SubprocessRunner
@@ -158,6 +169,9 @@ def probe_gpus(
     topo: Topology | None = None
     gpus: tuple[Gpu, ...] | None = probe.gpus
     if topology and gpus:
+        # Reported, never acted on: a reset would stop whatever runs on the card.
+        warnings.extend(mig_warnings(gpus))
+    if topology and gpus:
         gpus, topo, topo_warning = _topology(runner, gpus, nvml_links)
         if topo_warning:
             warnings.append(topo_warning)
@@ -219,6 +233,9 @@ def _smi_gpus(runner: Runner, llmgw_pids: Collection[int], *, versions: bool) ->
     else:
         logger.warning("nvidia-smi %s failed (%s)", apps_query, a.describe())
     gpus = tuple(attrs.evolve(g, foreign_memory_mib=foreign.get(g.uuid)) for g in gpus)
+    mig_problems: tuple[str, ...] = ()
+    if versions:
+        gpus, mig_problems = _smi_mig(runner, gpus)
 
     driver = cuda = None
     # Only the plain table prints the CUDA version; not worth a run per heartbeat.
@@ -229,7 +246,67 @@ def _smi_gpus(runner: Runner, llmgw_pids: Collection[int], *, versions: bool) ->
             driver, cuda = found.driver, found.cuda
         except ParseError as e:
             logger.info("driver version unknown: %s", e)
-    return GpuProbe(gpus, None, driver, cuda, (), "nvidia-smi")
+    return GpuProbe(gpus, None, driver, cuda, mig_problems, "nvidia-smi")
+
+
+def _smi_mig(runner: Runner, gpus: tuple[Gpu, ...]) -> tuple[tuple[Gpu, ...], tuple[str, ...]]:
+    """The cards with their MIG mode and, where enabled, instances (module _mig),
+    and a warning when an enabled card's instances could not be read: the
+    model holds no "unknown" for them, so the node says it in words.
+
+    Asked once per inventory, not per heartbeat: instances change only when
+    an operator makes them. A driver that does not know the mode fields
+    (before MIG, 450) leaves the mode unknown.
+    """
+    query = f"--query-gpu={','.join(MIG_MODE_FIELDS)}"
+    r = _smi(runner, query, "--format=csv")
+    if not r.ok:
+        logger.info("MIG mode unknown: nvidia-smi %s: %s", query, r.describe())
+        return gpus, ()
+    try:
+        modes = parse_mig_modes(r.stdout, source=f"nvidia-smi {query}")
+    except ParseError as e:
+        logger.warning("MIG mode unknown: %s", e)
+        return gpus, ()
+    gpus = tuple(
+        attrs.evolve(g, mig_mode=modes[g.uuid][0], mig_pending=pending_of(*modes[g.uuid]))
+        if g.uuid in modes
+        else g
+        for g in gpus
+    )
+    enabled = [g.index for g in gpus if g.mig_mode == "enabled"]
+    if not enabled:
+        return gpus, ()
+    listed = _smi(runner, "-L")
+    queried = _smi(runner, "-q")
+    problem = None
+    instances: tuple[ListedMig, ...] = ()
+    by_bus: dict[str | None, tuple[QueriedMig, ...]] = {}
+    if not listed.ok:
+        problem = f"nvidia-smi -L failed ({listed.describe()})"
+    else:
+        try:
+            instances = parse_smi_list(listed.stdout)
+        except ParseError as e:
+            problem = str(e)
+    # Without -q the instances stay, their ids and memory unknown.
+    try:
+        by_bus = parse_smi_q_mig(queried.stdout) if queried.ok else {}
+    except ParseError as e:
+        logger.warning("MIG instance ids unknown: %s", e)
+    if not queried.ok:
+        logger.warning("MIG instance ids unknown: nvidia-smi -q: %s", queried.describe())
+    gpus = tuple(
+        attrs.evolve(g, mig_devices=join_mig(instances, by_bus, g))
+        if g.mig_mode == "enabled"
+        else g
+        for g in gpus
+    )
+    if problem is None:
+        return gpus, ()
+    message = f"gpu {', '.join(map(str, enabled))}: MIG enabled, instances unknown: {problem}"
+    logger.warning("%s", message)
+    return gpus, (message,)
 
 
 def _topology(

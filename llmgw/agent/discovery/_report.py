@@ -36,12 +36,20 @@ def _bytes(n: int | None) -> str:
 
 
 def _gpu_line(g: Gpu) -> str:
+    mig = ""
+    if g.mig_mode is not None:
+        mig = f"  mig {g.mig_mode}" + (f" (next reset: {g.mig_pending})" if g.mig_pending else "")
+    instances = "".join(
+        f"\n     MIG {d.profile}  {d.uuid}  gi {_v(d.gpu_instance)}  ci {_v(d.compute_instance)}"
+        f"  mem {_v(d.memory_mib, ' MiB')}"
+        for d in g.mig_devices
+    )
     return (
         f"  {g.index}  {g.gpu_class}  {g.name}  bus {_v(g.pci_bus_id)}"
         f"  mem {_v(g.memory_used_mib)}/{_v(g.memory_total_mib)} MiB"
         f"  util {_v(g.utilization_pct, '%')}  cc {_v(g.compute_capability)}"
         f"  ecc {_v(g.ecc_uncorrected)}  foreign {_v(g.foreign_memory_mib, ' MiB')}"
-        f"  numa {_v(g.numa_node)}  cpus {_v(g.cpu_affinity)}"
+        f"  numa {_v(g.numa_node)}  cpus {_v(g.cpu_affinity)}{mig}{instances}"
     )
 
 

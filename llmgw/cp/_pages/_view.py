@@ -128,6 +128,19 @@ def node_row(node: Mapping[str, Any], now: float) -> dict[str, Any]:
     }
 
 
+def _mig_text(gpu: Mapping[str, Any]) -> str | None:
+    """`MIG 3g.40gb, 2g.20gb, 2x1g.10gb`, and a mode change waiting for a reset; None: no MIG."""
+    mode, pending = gpu.get("mig_mode"), gpu.get("mig_pending")
+    if mode != "enabled" and pending is None:
+        return None
+    counts: dict[str, int] = {}
+    for d in gpu.get("mig_devices") or ():
+        counts[d["profile"]] = counts.get(d["profile"], 0) + 1
+    text = "MIG " + (", ".join(p if n == 1 else f"{n}x{p}" for p, n in counts.items()) or
+                     ("no instances" if mode == "enabled" else str(mode or DASH)))  # fmt: skip
+    return text + (f" ({pending} after a GPU reset)" if pending is not None else "")
+
+
 def node_figures(node: Mapping[str, Any]) -> dict[str, Any]:
     """The node page's current figures and its GPUs and shards, from one /api/v1/nodes entry."""
     inv = node.get("inventory") or {}
@@ -147,6 +160,7 @@ def node_figures(node: Mapping[str, Any]) -> dict[str, Any]:
         gpus.append({
             "index": g.get("index"),
             "name": g.get("name"),
+            "mig": _mig_text(g),
             "util": fmt_num(util, 0) + (" %" if util is not None else ""),
             "memory": f"{fmt_bytes(None if mem_used is None else mem_used * MIB)} of "
                       f"{fmt_bytes(None if total_mib is None else total_mib * MIB)}",
