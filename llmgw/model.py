@@ -380,6 +380,7 @@ class ShardReport:
     # overtaken by the agent's own later report). 0: not known (an older agent).
     seq: int = 0
     adapters: tuple[str, ...] = ()  # its spec's LoRA adapters, in id order
+    gpu_memory_mib: int | None = None  # its spec's share of each card (None: whole cards)
 
 
 @attrs.frozen
@@ -430,6 +431,9 @@ class ShardSpec:
     # and ":" (llama-server's `--lora-scaled PATH:SCALE`).
     adapters: tuple[str, ...] = ()
     adapter_sources: tuple[str, ...] = ()
+    # The memory it claims on each of its cards, MiB, when it shares them with other
+    # replicas (`gpu_memory_gib` in its profile); None: its cards are its own.
+    gpu_memory_mib: int | None = None
 
 
 @attrs.frozen

@@ -209,6 +209,7 @@ struct ShardReport {
   source @13 :Text;            # the spec's source; null: none
   seq @14 :Int64;              # the shard's report count on its agent: newer is higher; 0: unknown
   adapters @15 :List(Text);    # the spec's adapters (LoRA names, in id order)
+  gpuMemoryMib @16 :OptI64;    # the spec's share of each card; null: whole cards
 }
 
 struct Hello {
@@ -270,6 +271,7 @@ struct ShardSpec {
   source @15 :Text;            # fetched or checked before launch; null: nothing to do
   adapters @16 :List(Text);    # LoRA adapters held from launch, in id order
   adapterSources @17 :List(Text);  # their sources, same order: made ready as `source` is
+  gpuMemoryMib @18 :OptI64;    # MiB it claims on each of its cards; null: whole cards
 }
 
 struct EnvVar { name @0 :Text; value @1 :Text; }

@@ -93,4 +93,5 @@ class Shard:
             source=self.spec.source,
             seq=self.reports,
             adapters=self.spec.adapters,
+            gpu_memory_mib=self.spec.gpu_memory_mib,
         )
