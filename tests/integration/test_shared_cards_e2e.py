@@ -1,0 +1,80 @@
+"""Several replicas on one card, through real llmgw-cp and llmgw-agent processes, fake GPUs
+(the recorded nvidia-smi of an 8x H100 80 GB node, two of its cards here) and the fake
+vLLM: a profile that asks for `gpu_memory_gib: 24` is packed by free memory. Three
+replicas fit on one 80 GiB card (3 x 24 = 72, with the shared-card headroom), the fourth
+goes to the next card; each engine's command line carries its share as
+`--gpu-memory-utilization` and its card's UUID in CUDA_VISIBLE_DEVICES; the replicas'
+own memory on the card is llmgw's, never foreign, so the card stays healthy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from llmgw.testing import fake_engine, fake_nvidia_smi
+from llmgw.testing.cluster import LocalCluster, wait_for
+
+TIMEOUT = 60
+
+
+def proc_args(pid: int) -> tuple[list[str], dict[str, str]]:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    env = dict(e.decode().split("=", 1) for e in raw if b"=" in e)
+    return [a.decode() for a in argv if a], env
+
+
+@pytest.mark.slow(seconds=15)
+def test_four_24_gib_replicas_pack_three_on_one_80_gib_card(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    bin_dir = tmp_path / "bin"
+    fake_nvidia_smi.install(bin_dir)
+    fake_engine.install(bin_dir, "vllm")
+    cluster.models = [
+        {
+            "name": "small",
+            "source": "org/small-8b",
+            "replicas": 4,
+            "profiles": [
+                {
+                    "engine": "vllm",
+                    "gpu_class": "h100-80g",
+                    "gpu_memory_gib": 24,
+                    "startup_timeout_s": 60,
+                }
+            ],
+        }
+    ]
+    cluster.setup(["g1"])
+    cluster.write_agent_config("g1", engine_paths={"vllm": str(bin_dir / "vllm")})
+    cluster.start_cp()
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LLMGW_FAKE_GPUS": "2xh100-80g"}
+    cluster.start_agent("g1", env=env)
+
+    def four_ready() -> list[dict] | None:
+        shards = [s for n in cluster.nodes().values() for s in n["shards"]]
+        ready = [s for s in shards if s["state"] == "ready"]
+        return ready if len(ready) == 4 else None
+
+    shards = wait_for("four replicas ready", four_ready, TIMEOUT)
+    node = cluster.nodes()["g1"]
+    uuids = [g["uuid"] for g in node["inventory"]["gpus"]]
+    per_card = Counter(s["gpus"][0] for s in shards)
+    assert all(len(s["gpus"]) == 1 for s in shards)
+    assert sorted(per_card.values()) == [1, 3], per_card
+    assert set(per_card) == set(uuids)
+    for s in shards:
+        assert s["gpu_memory_mib"] == 24 * 1024
+        argv, penv = proc_args(s["pids"][-1])
+        at = argv.index("--gpu-memory-utilization")
+        assert argv[at + 1] == "0.30", argv  # 24 GiB of the card's 81559 MiB, rounded down
+        assert penv["CUDA_VISIBLE_DEVICES"] == s["gpus"][0]
+    # llmgw's own replicas on a card are not foreign: both cards stay healthy.
+    assert all(g.get("foreign_memory_mib") in (None, 0) for g in node["inventory"]["gpus"])
+    replicas = cluster.first.api_get("/api/v1/replicas")["replicas"]
+    assert sorted(r["state"] for r in replicas if r["model"] == "small") == ["ready"] * 4
