@@ -862,7 +862,7 @@ class Placer:
             k = p.gpus_per_node
             cls = p.gpu_class
             for nid in static_fit:
-                why = _short_of_cards(self._nodes[nid], cls, k)
+                why = _short_of_cards(self._nodes[nid], cls, k, self._share.busy(nid))
                 if why is None:
                     fit.append(nid)
                 else:
@@ -914,16 +914,18 @@ class Placer:
 ENGINE_STAGE = 4
 
 
-def _short_of_cards(node: _Node, cls: str, k: int) -> str | None:
-    """Stage 7 for whole cards: why `node` has fewer than `k` free healthy `cls` cards."""
+def _short_of_cards(node: _Node, cls: str, k: int, shared: int) -> str | None:
+    """Stage 7 for whole cards: why `node` has fewer than `k` free healthy `cls` cards
+    (`shared`: the cards with a share claimed on them, as a bitmask)."""
     c = node.cards[cls]
     free = (c.healthy & ~node.used).bit_count()
     if free >= k:
         return None
-    in_use = (c.all & node.used).bit_count()
+    in_use = (c.all & node.used & ~shared).bit_count()
     sick = (c.all & ~c.healthy & ~c.mig & ~node.used).bit_count()
     why = f"{free} free healthy {cls} card{_s(free)}, needs {k}"
     detail = [f"{in_use} in use"] if in_use else []
+    detail += [f"{(c.all & shared).bit_count()} shared"] if c.all & shared else []
     detail += [f"{sick} unhealthy"] if sick else []
     said = [
         g.why

@@ -142,7 +142,7 @@ def test_a_whole_card_profile_never_takes_a_claimed_or_mig_card() -> None:
     fleet = [node("n", card(0, mig=mig), card(1), card(2))]
     refused = place(fleet, WHOLE, Allocations(claims={"n": {1: 1024}}, gpus={"n": {2}}))
     assert str(refused) == (
-        "n: 0 free healthy h100-80g cards, needs 1 (2 in use);"
+        "n: 0 free healthy h100-80g cards, needs 1 (1 in use, 1 shared);"
         " gpu 0 is MIG-enabled: whole-card profiles do not use it"
     )
     got = place(fleet, WHOLE, Allocations(claims={"n": {1: 1024}}))
@@ -153,7 +153,7 @@ def test_a_placer_refuses_a_whole_card_once_a_share_is_on_it() -> None:
     placer = Placer([node("n", card(0))])
     (first,) = place_all(placer, [share(8)])
     assert isinstance(first, Placement)
-    assert str(placer.place(WHOLE)) == "n: 0 free healthy h100-80g cards, needs 1 (1 in use)"
+    assert str(placer.place(WHOLE)) == "n: 0 free healthy h100-80g cards, needs 1 (1 shared)"
     placer.remove(first)
     assert placer.allocations == Allocations()
     assert isinstance(placer.place(WHOLE), Placement)
@@ -424,3 +424,26 @@ def test_packing_leaves_at_least_as_many_whole_cards_free_as_first_fit(
     used = sum(len(c) for c in placer.allocations.claims.values())
     first_fit_used = first_fit_cards([total] * cards, [g * GIB_MIB for g in sizes])
     assert cards - used >= cards - first_fit_used
+
+
+@settings(max_examples=150, deadline=None)
+@given(fleets(), st.lists(PROFILES, max_size=15))
+def test_the_placer_and_pure_place_agree_and_remove_gives_everything_back(
+    fleet: list[NodeFacts], profiles: list[PlacementProfile]
+) -> None:
+    placer = Placer(fleet)
+    placed: list[Placement] = []
+    for p in profiles:
+        got = placer.place(p)
+        assert got == place(fleet, p, placer.allocations)
+        assert Placer(fleet, placer.allocations).place(p) == got
+        if isinstance(got, Placement):
+            before = placer.allocations
+            placer.add(got)
+            assert placer.allocations == before.add(got)
+            placed.append(got)
+    for got in reversed(placed):
+        placer.remove(got)
+    assert placer.allocations == Allocations()
+    if profiles:
+        assert placer.place(profiles[0]) == place(fleet, profiles[0])
