@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 SHARED_HEADROOM_MIB: Final = 1024
 
 _Entry = tuple[int, int, str, int]  # (free MiB, whole cards free on its node, node, card)
+_NONE: Final[frozenset[str]] = frozenset()
+_NO_MIG: Final[frozenset[tuple[str, str]]] = frozenset()
 
 
 @attrs.frozen
@@ -81,18 +83,21 @@ def share_group_refusal(mib: int, nodes: int) -> str:
     )
 
 
-class _Card:
-    __slots__ = ("cls", "foreign", "healthy", "index", "mig", "mig_enabled", "total", "uuid")
+def _offer(g: GpuFacts) -> int | None:
+    """What card `g` offers shares with nothing claimed on it; None: it takes none."""
+    if not g.healthy or g.mig_enabled or g.memory_total_mib is None:
+        return None
+    return g.memory_total_mib - (g.foreign_mib or 0) - SHARED_HEADROOM_MIB
 
-    def __init__(self, g: GpuFacts) -> None:
-        self.index = g.index
-        self.uuid = g.uuid
-        self.cls = g.gpu_class
-        self.healthy = g.healthy
-        self.total = g.memory_total_mib
-        self.foreign = g.foreign_mib or 0
-        self.mig_enabled = g.mig_enabled
-        self.mig = tuple(sorted(g.mig, key=lambda m: m.uuid)) if g.mig_enabled else ()
+
+def _distinct(gpus: tuple[GpuFacts, ...]) -> tuple[GpuFacts, ...]:
+    """The cards by ascending index, a repeated index's first report standing."""
+    if all(a.index < b.index for a, b in itertools.pairwise(gpus)):
+        return gpus
+    first: dict[int, GpuFacts] = {}
+    for g in gpus:
+        first.setdefault(g.index, g)
+    return tuple(first[i] for i in sorted(first))
 
 
 class CardShares:
@@ -102,13 +107,13 @@ class CardShares:
 
     def __init__(
         self,
-        nodes: Iterable[tuple[str, Iterable[GpuFacts]]],
+        nodes: Iterable[tuple[str, tuple[GpuFacts, ...]]],
         whole: Mapping[str, frozenset[int]],
         claims: Mapping[str, Mapping[int, int]],
         mig: Mapping[str, frozenset[str]],
     ) -> None:
         self._nodes = nodes  # read when a share is first placed: whole cards pay nothing
-        self._cards: dict[str, dict[int, _Card]] | None = None
+        self._cards: dict[str, tuple[GpuFacts, ...]] | None = None
         self._whole = {n: frozenset(c) for n, c in whole.items()}
         self._claims = {n: {i: m for i, m in c.items() if m} for n, c in claims.items()}
         self._claims = {n: c for n, c in self._claims.items() if c}
@@ -176,8 +181,18 @@ class CardShares:
     def find_share(
         self, cls: str, k: int, mib: int, eligible: frozenset[str]
     ) -> tuple[str, tuple[int, ...]] | None:
-        """The node and `k` cards for a share of `mib` on each, or None."""
+        """The node and `k` cards for a share of `mib` on each, or None: the sorted
+        lists walked best first, or, when few nodes are eligible (a narrow
+        node_selector), those nodes' entries compared (the same answer)."""
         self._flush()
+        fits = self._fits.get(cls, ([], []))
+        if len(eligible) * 8 < len(fits[0]) + len(fits[1]):
+            return self._by_node(cls, k, mib, eligible)
+        return self._walk(cls, k, mib, eligible)
+
+    def _walk(
+        self, cls: str, k: int, mib: int, eligible: frozenset[str]
+    ) -> tuple[str, tuple[int, ...]] | None:
         seen: set[str] = set()
         for fits in self._fits.get(cls, ()):
             for j in range(bisect.bisect_left(fits, (mib,)), len(fits)):
@@ -192,12 +207,31 @@ class CardShares:
                     return nid, tuple(sorted(cards[:k]))
         return None
 
+    def _by_node(
+        self, cls: str, k: int, mib: int, eligible: frozenset[str]
+    ) -> tuple[str, tuple[int, ...]] | None:
+        """What `_walk` finds: the node with `k` cards that fit whose best card
+        comes first in the lists' order."""
+        best: tuple[int, _Entry] | None = None
+        for nid in eligible:
+            fit = [(t, e) for c, t, e in self._entries.get(nid, ()) if c == cls and e[0] >= mib]
+            if len(fit) >= k:
+                top = min(fit)
+                if best is None or top < best:
+                    best = top
+        if best is None:
+            return None
+        nid = best[1][2]
+        if k == 1:
+            return nid, (best[1][3],)
+        return nid, tuple(sorted(self._fitting(nid, cls, mib)[:k]))
+
     def _fitting(self, nid: str, cls: str, mib: int) -> list[int]:
         claimed = self._claims.get(nid, {})
         order = []
-        for c in self._flush()[nid].values():
+        for c in self._flush()[nid]:
             free = self._free(nid, c)
-            if c.cls == cls and free is not None and free >= mib:
+            if c.gpu_class == cls and free is not None and free >= mib:
                 order.append((0 if c.index in claimed else 1, free, c.index))
         return [i for _, _, i in sorted(order)]
 
@@ -209,9 +243,9 @@ class CardShares:
         for nid in self._mig_nodes.get((cls, profile), ()):
             if nid in eligible:
                 taken = self._taken.get(nid, set())
-                for c in self._flush()[nid].values():
-                    if c.cls == cls:
-                        for m in c.mig:
+                for c in self._flush()[nid]:
+                    if c.gpu_class == cls and c.mig_enabled:
+                        for m in sorted(c.mig, key=lambda m: m.uuid):
                             if m.profile == profile and m.uuid not in taken:
                                 return nid, c.index, c.uuid, m.uuid
         return None
@@ -222,8 +256,8 @@ class CardShares:
         """Why `nid` takes no share of `mib` on `k` of its `cls` cards, card by card."""
         words: list[str] = []
         fit = 0
-        for c in sorted(self._flush().get(nid, {}).values(), key=lambda c: c.index):
-            if c.cls != cls:
+        for c in self._flush().get(nid, ()):
+            if c.gpu_class != cls:
                 continue
             free = self._free(nid, c)
             if free is not None and free >= mib:
@@ -234,10 +268,10 @@ class CardShares:
                 words.append(f"gpu {c.index} unhealthy")
             elif c.index in self._whole.get(nid, ()):
                 words.append(f"gpu {c.index} is allocated whole")
-            elif free is None:
+            elif c.memory_total_mib is None:
                 words.append(f"gpu {c.index} memory total unknown: not shared")
             else:
-                has = _gib(max(free, 0), up=False)
+                has = _gib(max(free or 0, 0), up=False)
                 words.append(f"gpu {c.index} has {has} GiB unclaimed, needs {_gib(mib)}")
         if k > 1:
             words.insert(
@@ -251,8 +285,8 @@ class CardShares:
         """Why `nid` has no free `profile` instance on its `cls` cards."""
         taken = self._taken.get(nid, set())
         said = []
-        for c in sorted(self._flush().get(nid, {}).values(), key=lambda c: c.index):
-            if c.cls != cls or not c.mig_enabled:
+        for c in self._flush().get(nid, ()):
+            if c.gpu_class != cls or not c.mig_enabled:
                 continue
             if not c.mig:
                 said.append(f"gpu {c.index} has no instances")
@@ -271,31 +305,35 @@ class CardShares:
 
     # -- the index -----------------------------------------------------------------
 
-    def _flush(self) -> dict[str, dict[int, _Card]]:
+    def _flush(self) -> dict[str, tuple[GpuFacts, ...]]:
         """The cards, indexed and current (built on first use)."""
         if self._cards is None:
             self._cards = {}
             for nid, gpus in self._nodes:
-                cards: dict[int, _Card] = {}
-                for g in gpus:
-                    cards.setdefault(g.index, _Card(g))
-                if cards:
-                    self._cards[nid] = cards
-            self._dirty = set(self._cards)
+                if gpus:
+                    self._cards[nid] = _distinct(gpus)
+            for nid in self._cards:
+                self._refresh(nid, bulk=True)
+            for lists in self._fits.values():
+                for fits in lists:
+                    fits.sort()
+            for ids in self._mig_nodes.values():
+                ids.sort()
+            self._dirty = set()
         for nid in sorted(self._dirty):
             self._refresh(nid)
         return self._cards
 
-    def _free(self, nid: str, c: _Card) -> int | None:
+    def _free(self, nid: str, c: GpuFacts) -> int | None:
         """What `c` offers a share now; None: it takes no shares."""
-        if not c.healthy or c.mig_enabled or c.total is None:
+        offer = _offer(c)
+        if offer is None or c.index in self._whole.get(nid, ()):
             return None
-        if c.index in self._whole.get(nid, ()):
-            return None
-        return c.total - self._claims.get(nid, {}).get(c.index, 0) - c.foreign - SHARED_HEADROOM_MIB
+        return offer - self._claims.get(nid, {}).get(c.index, 0)
 
-    def _refresh(self, nid: str) -> None:
-        """Re-index `nid`'s cards after a change."""
+    def _refresh(self, nid: str, *, bulk: bool = False) -> None:
+        """Re-index `nid`'s cards after a change; `bulk`: appended, sorted by the caller."""
+        put = list.append if bulk else bisect.insort
         self._dirty.discard(nid)
         for cls, tier, entry in self._entries.pop(nid, ()):
             fits = self._fits[cls][tier]
@@ -304,31 +342,46 @@ class CardShares:
         if cards is None:
             return
         claimed = self._claims.get(nid, {})
+        whole = self._whole.get(nid, ())
+        offers = []
         whole_free: dict[str, int] = {}
-        for c in cards.values():
-            if self._free(nid, c) is not None and c.index not in claimed:
-                whole_free[c.cls] = whole_free.get(c.cls, 0) + 1
-        entries = []
-        for c in cards.values():
-            free = self._free(nid, c)
-            if free is None:
+        for c in cards:
+            offer = _offer(c)
+            if offer is not None and c.index not in whole:
+                on = claimed.get(c.index, 0)
+                offers.append((c, offer - on, on))
+                if not on:
+                    whole_free[c.gpu_class] = whole_free.get(c.gpu_class, 0) + 1
+        # One entry per (class, tier, room): the lowest index of the cards alike stands
+        # for them (the order would put it first), so a fresh node takes one entry.
+        entries: list[tuple[str, int, _Entry]] = []
+        done: set[tuple[str, int, int]] = set()
+        for c, free, on in offers:
+            tier = 0 if on else 1
+            if (c.gpu_class, tier, free) in done:
                 continue
-            tier = 0 if c.index in claimed else 1
-            entry = (free, whole_free.get(c.cls, 0) if tier else 0, nid, c.index)
-            bisect.insort(self._fits.setdefault(c.cls, ([], []))[tier], entry)
-            entries.append((c.cls, tier, entry))
+            done.add((c.gpu_class, tier, free))
+            entry = (free, 0 if on else whole_free[c.gpu_class], nid, c.index)
+            put(self._fits.setdefault(c.gpu_class, ([], []))[tier], entry)
+            entries.append((c.gpu_class, tier, entry))
         if entries:
             self._entries[nid] = entries
-        taken = self._taken.get(nid, set())
-        offers = {(c.cls, m.profile) for c in cards.values() for m in c.mig if m.uuid not in taken}
-        before = self._mig_member.pop(nid, set())
-        for key in before - offers:
+        taken = self._taken.get(nid, _NONE)
+        mig = {
+            (c.gpu_class, m.profile)
+            for c in cards
+            if c.mig_enabled
+            for m in c.mig
+            if m.uuid not in taken
+        }
+        before = self._mig_member.pop(nid, _NO_MIG)
+        for key in before - mig:
             ids = self._mig_nodes[key]
             del ids[bisect.bisect_left(ids, nid)]
-        for key in offers - before:
-            bisect.insort(self._mig_nodes.setdefault(key, []), nid)
-        if offers:
-            self._mig_member[nid] = offers
+        for key in mig - before:
+            put(self._mig_nodes.setdefault(key, []), nid)
+        if mig:
+            self._mig_member[nid] = mig
 
 
 def _gib(mib: int, *, up: bool = True) -> str:

@@ -447,3 +447,22 @@ def test_the_placer_and_pure_place_agree_and_remove_gives_everything_back(
     assert placer.allocations == Allocations()
     if profiles:
         assert placer.place(profiles[0]) == place(fleet, profiles[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(fleets(), st.lists(PROFILES, max_size=15), PROFILES, st.data())
+def test_a_narrow_selection_finds_the_card_the_sorted_walk_finds(
+    fleet: list[NodeFacts],
+    profiles: list[PlacementProfile],
+    probe: PlacementProfile,
+    data: st.DataObject,
+) -> None:
+    """find_share compares the eligible nodes' cards when they are few (a narrow
+    node_selector) instead of walking the sorted lists: the two give one answer."""
+    placer, _ = run(fleet, profiles)
+    ids = [f.node_id for f in fleet]
+    eligible = frozenset(data.draw(st.lists(st.sampled_from(ids), unique=True)))
+    share_ = placer._share
+    share_.find_share(H100, 1, 1, eligible)  # indexes what is pending
+    k, mib = probe.gpus_per_node, probe.gpu_memory_mib or 1
+    assert share_._by_node(H100, k, mib, eligible) == share_._walk(H100, k, mib, eligible)
