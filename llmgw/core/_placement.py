@@ -999,8 +999,8 @@ def _check_unallocated(
     """Raise when `placement` takes whole a card that is allocated or shared."""
     for r in placement.ranks:
         if r.memory_mib is None and not r.mig_uuids:
-            taken = whole.get(r.node_id, frozenset()) | set(_bits(share.busy(r.node_id)))
-            again = taken & set(r.gpu_indexes)
+            taken, busy = whole.get(r.node_id, frozenset()), share.busy(r.node_id)
+            again = {i for i in r.gpu_indexes if i in taken or busy >> i & 1}
             if again:
                 raise ValueError(f"{r.node_id}: cards {sorted(again)} are already allocated")
 

@@ -134,8 +134,11 @@ class CardShares:
 
     def busy(self, nid: str) -> int:
         """The cards of `nid` with a claim on them, as a bitmask."""
+        claimed = self._claims.get(nid)
+        if not claimed:
+            return 0
         m = 0
-        for i in self._claims.get(nid, ()):
+        for i in claimed:
             m |= 1 << i
         return m
 
