@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/autoscale.py
 	$(BIN)/python bench/adapters.py
+	$(BIN)/python bench/packing.py
 
 clean:
 	rm -rf $(VENV) demo-state dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -149,6 +149,7 @@ from llmgw.core._shard import RUNNING as RUNNING_SHARD_STATES
 from llmgw.core._shard import HealthRun, ShardEvent
 from llmgw.core._shard import InvalidTransition as InvalidShardTransition
 from llmgw.core._shard import next_state as next_shard_state
+from llmgw.core._sharing import SHARED_HEADROOM_MIB, MigFacts
 from llmgw.core._traffic import (
     TrafficChoice,
     TrafficPinError,
@@ -215,6 +216,7 @@ __all__ = [
     "RELAUNCH_MAY_CHANGE",
     "REPLACED_REPLICA_STATES",
     "RUNNING_SHARD_STATES",
+    "SHARED_HEADROOM_MIB",
     "TTFT_BOUNDS",
     "XID_CLASSES",
     "AdapterAction",
@@ -265,6 +267,7 @@ __all__ = [
     "ManifestError",
     "ManifestFile",
     "Match",
+    "MigFacts",
     "NodeFacts",
     "NodeState",
     "ObservedShard",

@@ -60,6 +60,13 @@ and 40 more: cordoned"); lines go from the nodes that came closest to fitting
 starts with a line saying how many would do ("ib-b: only 1 node with an ACTIVE
 port, needs 2", or "only 1 node fits, needs 2").
 
+A profile with `gpu_memory_mib` (a share of a card) or `mig` (a MIG instance)
+passes stages 0-6 as above; llmgw/core/_sharing.py chooses its card and says
+stage 7 card by card ("gpu 3 has 18 GiB unclaimed, needs 24", "no free
+3g.40gb instance (gpu 0 has 1g.10gb x4)"). A card with a claim on it counts as
+in use, and a MIG-enabled card is never offered, to whole-card profiles
+("gpu 0 is MIG-enabled: whole-card profiles do not use it").
+
 Besides the words, a refusal holds as data the nodes refused at stage 4 alone
 while they install the profile's engine at the declared version
 (`NodeFacts.engines_installing`; `Refusal.installing`): a rollout waits for
@@ -73,10 +80,12 @@ import heapq
 import itertools
 import math
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
 import attrs
+
+from llmgw.core._sharing import CardShares, MigFacts, mig_group_refusal, share_group_refusal
 
 GIB: Final = 2**30
 MAX_REASON_LINES: Final = 20
@@ -105,6 +114,13 @@ class GpuFacts:
     # fallen off the bus)"; None: healthy, or unhealthy for a reason placement reads
     # itself (ECC count, foreign memory).
     why: str | None = None
+    # For shares of the card (llmgw/core/_sharing.py): its memory (None: unknown, so
+    # it is not shared) and what processes llmgw did not start hold on it.
+    memory_total_mib: int | None = None
+    foreign_mib: int | None = None
+    # MIG-enabled: it offers only its MIG instances, to profiles that name one.
+    mig_enabled: bool = False
+    mig: tuple[MigFacts, ...] = ()
 
 
 @attrs.frozen
@@ -151,8 +167,21 @@ class PlacementProfile:
     node_selector: tuple[tuple[str, str], ...] = ()
     fabric: str | None = None  # the fabric a group must share; None: any one they share
     weights_bytes: int | None = None  # what a node that does not hold them fetches; None: unknown
+    # A share of a card, per GPU: the replica takes this much memory on each of
+    # gpus_per_node cards (llmgw/core/_sharing.py); None: whole cards.
+    gpu_memory_mib: int | None = None
+    mig: str | None = None  # a MIG profile ("3g.40gb"): the replica takes one instance of it
 
     def __attrs_post_init__(self) -> None:
+        if self.gpu_memory_mib is not None and self.mig is not None:
+            raise ValueError(
+                f"a profile takes a share of a card ({self.gpu_memory_mib} MiB) or a MIG"
+                f" instance ({self.mig}), not both"
+            )
+        if (self.gpu_memory_mib is not None or self.mig is not None) and self.gpu_class is None:
+            raise ValueError("a share of a card or a MIG instance needs a gpu_class")
+        if self.gpu_memory_mib is not None and self.gpu_memory_mib < 1:
+            raise ValueError(f"gpu_memory_mib must be at least 1, not {self.gpu_memory_mib}")
         if self.nodes < 1:
             raise ValueError(f"a replica needs at least 1 node, not {self.nodes}")
         if self.gpu_class is None and self.gpus_per_node != 0:
@@ -170,6 +199,17 @@ def _gpu_map(m: Mapping[str, Iterable[int]]) -> Mapping[str, frozenset[int]]:
     )
 
 
+def _mig_map(m: Mapping[str, Iterable[str]]) -> Mapping[str, frozenset[str]]:
+    return types.MappingProxyType(
+        {k: s for k, s in ((k, frozenset(v)) for k, v in sorted(m.items())) if s}
+    )
+
+
+def _claims_map(m: Mapping[str, Mapping[int, int]]) -> Mapping[str, Mapping[int, int]]:
+    out = {k: {i: n for i, n in sorted(v.items()) if n} for k, v in sorted(m.items())}
+    return types.MappingProxyType({k: types.MappingProxyType(v) for k, v in out.items() if v})
+
+
 def _count_map(m: Mapping[str, int]) -> Mapping[str, int]:
     return types.MappingProxyType({k: v for k, v in sorted(m.items()) if v})
 
@@ -182,6 +222,10 @@ class RankPlacement:
     gpu_indexes: tuple[int, ...]  # () for a CPU replica
     gpu_uuids: tuple[str, ...]
     fabric_adapters: tuple[str, ...]  # () unless the group spans nodes
+    memory_mib: int | None = None  # a share: MiB on each of gpu_indexes; None: whole cards
+    # Placed on MIG instances (gpu_indexes/gpu_uuids: their cards): these go in
+    # CUDA_VISIBLE_DEVICES instead of gpu_uuids.
+    mig_uuids: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -196,34 +240,46 @@ class Placement:
 
 @attrs.frozen
 class Allocations:
-    """What replicas already hold: cards by node, and CPU replicas by node.
+    """What replicas already hold: whole cards by node, CPU replicas by node, MiB
+    claimed by shares (node -> card index -> MiB) and MIG instances taken (node ->
+    uuids).
 
     Empty entries are dropped, so two equal allocations compare equal."""
 
     gpus: Mapping[str, frozenset[int]] = attrs.field(factory=dict, converter=_gpu_map)
     cpu_replicas: Mapping[str, int] = attrs.field(factory=dict, converter=_count_map)
+    claims: Mapping[str, Mapping[int, int]] = attrs.field(factory=dict, converter=_claims_map)
+    mig: Mapping[str, frozenset[str]] = attrs.field(factory=dict, converter=_mig_map)
 
     def add(self, placement: Placement) -> Allocations:
-        """These allocations with `placement`'s cards and CPU replicas added."""
-        gpus = dict(self.gpus)
-        cpu = dict(self.cpu_replicas)
-        for r in placement.ranks:
-            if r.gpu_indexes:
-                gpus[r.node_id] = gpus.get(r.node_id, frozenset()) | frozenset(r.gpu_indexes)
-            else:
-                cpu[r.node_id] = cpu.get(r.node_id, 0) + 1
-        return Allocations(gpus, cpu)
+        """These allocations with `placement`'s cards, shares and CPU replicas added."""
+        return self._with(placement, 1)
 
     def remove(self, placement: Placement) -> Allocations:
         """These allocations with `placement` given back."""
+        return self._with(placement, -1)
+
+    def _with(self, placement: Placement, sign: int) -> Allocations:
         gpus = dict(self.gpus)
         cpu = dict(self.cpu_replicas)
+        claims = {n: dict(c) for n, c in self.claims.items()}
+        mig = dict(self.mig)
         for r in placement.ranks:
-            if r.gpu_indexes:
-                gpus[r.node_id] = gpus.get(r.node_id, frozenset()) - frozenset(r.gpu_indexes)
+            nid = r.node_id
+            if r.mig_uuids:
+                had = mig.get(nid, frozenset())
+                mig[nid] = had | set(r.mig_uuids) if sign > 0 else had - set(r.mig_uuids)
+            elif r.memory_mib is not None:
+                mine = claims.setdefault(nid, {})
+                for i in r.gpu_indexes:
+                    mine[i] = max(0, mine.get(i, 0) + sign * r.memory_mib)
+            elif r.gpu_indexes:
+                had_cards = gpus.get(nid, frozenset())
+                cards = frozenset(r.gpu_indexes)
+                gpus[nid] = had_cards | cards if sign > 0 else had_cards - cards
             else:
-                cpu[r.node_id] = max(0, cpu.get(r.node_id, 0) - 1)
-        return Allocations(gpus, cpu)
+                cpu[nid] = max(0, cpu.get(nid, 0) + sign)
+        return Allocations(gpus, cpu, claims, mig)
 
 
 @attrs.frozen
@@ -385,14 +441,16 @@ def _mask(indexes: Iterable[int]) -> int:
 
 
 class _Cards:
-    """One class of cards on one node."""
+    """One class of cards on one node. `healthy` leaves out MIG-enabled cards (`mig`):
+    whole-card profiles do not use them."""
 
-    __slots__ = ("all", "healthy", "tid")
+    __slots__ = ("all", "healthy", "mig", "tid")
 
-    def __init__(self, tid: int, all_mask: int, healthy: int) -> None:
+    def __init__(self, tid: int, all_mask: int, healthy: int, mig: int) -> None:
         self.tid = tid
         self.all = all_mask
-        self.healthy = healthy
+        self.healthy = healthy & ~mig
+        self.mig = mig
 
 
 class _Node:
@@ -417,7 +475,9 @@ class _Node:
         for cls, cards in by_class.items():
             idx = tuple(g.index for g in cards)
             tid = topos.intern(idx, tuple(g.numa_node for g in cards), facts.nvlinks)
-            self.cards[cls] = _Cards(tid, _mask(idx), _mask(g.index for g in cards if g.healthy))
+            healthy = _mask(g.index for g in cards if g.healthy)
+            mig = _mask(g.index for g in cards if g.mig_enabled)
+            self.cards[cls] = _Cards(tid, _mask(idx), healthy, mig)
         self.fabrics: dict[str, tuple[str, ...]] = {}
         for name, adapters, _rate in facts.fabrics:
             merged = dict.fromkeys((*self.fabrics.get(name, ()), *adapters))
@@ -479,9 +539,15 @@ class Placer:
             self._nodes[facts.node_id] = _Node(facts, self._topos)
         self._gpu_alloc: dict[str, frozenset[int]] = dict(allocations.gpus)
         self._cpu_alloc: dict[str, int] = dict(allocations.cpu_replicas)
-        for nid, cards in self._gpu_alloc.items():
+        self._share = CardShares(
+            ((n, x.facts.gpus or ()) for n, x in self._nodes.items()),
+            allocations.gpus,
+            allocations.claims,
+            allocations.mig,
+        )
+        for nid in {*self._gpu_alloc, *allocations.claims}:
             if nid in self._nodes:
-                self._nodes[nid].used = _mask(cards)
+                self._nodes[nid].used = _mask(self._gpu_alloc.get(nid, ())) | self._share.busy(nid)
         for nid, count in self._cpu_alloc.items():
             if nid in self._nodes:
                 self._nodes[nid].cpu = count
@@ -538,38 +604,43 @@ class Placer:
     @property
     def allocations(self) -> Allocations:
         """What is allocated now: the starting allocations plus every `add`."""
-        return Allocations(self._gpu_alloc, self._cpu_alloc)
+        claims, mig = self._share.claims(), self._share.mig_taken()
+        return Allocations(self._gpu_alloc, self._cpu_alloc, claims, mig)
 
     # -- recording ---------------------------------------------------------------
 
     def add(self, placement: Placement) -> None:
-        """Record `placement`: its cards are taken and its CPU replicas counted."""
+        """Record `placement`: its cards, shares or MIG instances are taken and its
+        CPU replicas counted."""
+        _check_unallocated(placement, self._gpu_alloc, self._share)
         for r in placement.ranks:
-            taken = self._gpu_alloc.get(r.node_id, frozenset())
-            again = taken & set(r.gpu_indexes)
-            if again:
-                raise ValueError(f"{r.node_id}: cards {sorted(again)} are already allocated")
-        for r in placement.ranks:
-            if r.gpu_indexes:
-                cards = self._gpu_alloc.get(r.node_id, frozenset()) | set(r.gpu_indexes)
-                self._set_gpus(r.node_id, cards)
-            else:
-                self._set_cpu(r.node_id, self._cpu_alloc.get(r.node_id, 0) + 1)
+            self._record(r, 1)
 
     def remove(self, placement: Placement) -> None:
         """Give back what `placement` held."""
         for r in placement.ranks:
-            if r.gpu_indexes:
-                cards = self._gpu_alloc.get(r.node_id, frozenset()) - set(r.gpu_indexes)
-                self._set_gpus(r.node_id, cards)
-            else:
-                self._set_cpu(r.node_id, max(0, self._cpu_alloc.get(r.node_id, 0) - 1))
+            self._record(r, -1)
+
+    def _record(self, r: RankPlacement, sign: int) -> None:
+        nid = r.node_id
+        if r.mig_uuids:
+            self._share.take_mig(nid, r.mig_uuids, sign)
+        elif r.memory_mib is not None:
+            self._share.claim(nid, r.gpu_indexes, r.memory_mib, sign)
+            self._set_gpus(nid, self._gpu_alloc.get(nid, frozenset()))
+        elif r.gpu_indexes:
+            had = self._gpu_alloc.get(nid, frozenset())
+            cards = set(r.gpu_indexes)
+            self._set_gpus(nid, had | cards if sign > 0 else had - cards)
+        else:
+            self._set_cpu(nid, max(0, self._cpu_alloc.get(nid, 0) + sign))
 
     def _set_gpus(self, nid: str, cards: frozenset[int]) -> None:
         if cards:
             self._gpu_alloc[nid] = cards
         else:
             self._gpu_alloc.pop(nid, None)
+        self._share.set_whole(nid, cards)
         node = self._nodes.get(nid)
         if node is None:
             return
@@ -577,7 +648,7 @@ class Placer:
         if indexed:
             for cls in node.cards:
                 self._bucket_remove(cls, nid, node)
-        node.used = _mask(cards)
+        node.used = _mask(cards) | self._share.busy(nid)
         if indexed:
             for cls in node.cards:
                 self._bucket_add(cls, nid, node)
@@ -620,6 +691,9 @@ class Placer:
 
     def place(self, profile: PlacementProfile) -> Placement | Refusal:
         """Where one replica of `profile` goes now. Records nothing: see `add`."""
+        if profile.gpu_memory_mib is not None or profile.mig is not None:
+            got = _share_decision(self._share, self._nodes, self._eligible(profile)[0], profile)
+            return got or _share_refusal(self._share, self._nodes, self._static_refusal, profile)
         eligible, everything = self._eligible(profile)
         if profile.nodes == 1:
             chosen = self._ranked(profile, eligible, everything, None, 1)
@@ -788,27 +862,11 @@ class Placer:
             k = p.gpus_per_node
             cls = p.gpu_class
             for nid in static_fit:
-                node = self._nodes[nid]
-                c = node.cards[cls]
-                free = (c.healthy & ~node.used).bit_count()
-                if free >= k:
+                why = _short_of_cards(self._nodes[nid], cls, k, self._share.busy(nid))
+                if why is None:
                     fit.append(nid)
-                    continue
-                in_use = (c.all & node.used).bit_count()
-                sick = (c.all & ~c.healthy & ~node.used).bit_count()
-                why = f"{free} free healthy {cls} card{_s(free)}, needs {k}"
-                detail = [f"{in_use} in use"] if in_use else []
-                detail += [f"{sick} unhealthy"] if sick else []
-                said = [
-                    g.why
-                    for g in node.facts.gpus or ()
-                    if g.why and g.gpu_class == cls and not node.used >> g.index & 1
-                ]
-                if detail:
-                    why += f" ({', '.join(detail)})"
-                if said:
-                    why += f"; {'; '.join(said)}"
-                groups.setdefault((7, why), []).append(nid)
+                else:
+                    groups.setdefault((7, why), []).append(nid)
         header: list[str] = []
         n = p.nodes
         if n > 1:
@@ -854,6 +912,97 @@ class Placer:
 
 
 ENGINE_STAGE = 4
+
+
+def _short_of_cards(node: _Node, cls: str, k: int, shared: int) -> str | None:
+    """Stage 7 for whole cards: why `node` has fewer than `k` free healthy `cls` cards
+    (`shared`: the cards with a share claimed on them, as a bitmask)."""
+    c = node.cards[cls]
+    free = (c.healthy & ~node.used).bit_count()
+    if free >= k:
+        return None
+    in_use = (c.all & node.used & ~shared).bit_count()
+    sick = (c.all & ~c.healthy & ~c.mig & ~node.used).bit_count()
+    why = f"{free} free healthy {cls} card{_s(free)}, needs {k}"
+    detail = [f"{in_use} in use"] if in_use else []
+    detail += [f"{(c.all & shared).bit_count()} shared"] if c.all & shared else []
+    detail += [f"{sick} unhealthy"] if sick else []
+    said = [
+        g.why
+        for g in node.facts.gpus or ()
+        if g.why and g.gpu_class == cls and not node.used >> g.index & 1
+    ]
+    said += [
+        f"gpu {i} is MIG-enabled: whole-card profiles do not use it"
+        for i in _bits(c.mig & ~node.used)
+    ]
+    if detail:
+        why += f" ({', '.join(detail)})"
+    if said:
+        why += f"; {'; '.join(said)}"
+    return why
+
+
+def _share_decision(
+    share: CardShares, nodes: Mapping[str, _Node], eligible: frozenset[str], p: PlacementProfile
+) -> Placement | Refusal | None:
+    """A share of cards or a MIG instance for `p` among `eligible`; a refusal for a
+    group that cannot share; None when no node has room (the caller says why)."""
+    cls, k, mib = p.gpu_class, p.gpus_per_node, p.gpu_memory_mib
+    assert cls is not None
+    if p.mig is not None and (k > 1 or p.nodes > 1):
+        return Refusal((mig_group_refusal(p.mig, k, p.nodes),))
+    if mib is not None and p.nodes > 1:
+        return Refusal((share_group_refusal(mib, p.nodes),))
+    if p.mig is not None:
+        got = share.find_mig(cls, p.mig, eligible)
+        if got is None:
+            return None
+        nid, index, uuid, instance = got
+        address = nodes[nid].facts.address
+        rank = RankPlacement(0, nid, address, (index,), (uuid,), (), None, (instance,))
+        return Placement((rank,), None)
+    assert mib is not None
+    found = share.find_share(cls, k, mib, eligible)
+    if found is None:
+        return None
+    node = nodes[found[0]]
+    uuids = tuple(node.uuids[i] for i in found[1])
+    rank = RankPlacement(0, found[0], node.facts.address, found[1], uuids, (), mib)
+    return Placement((rank,), None)
+
+
+def _share_refusal(
+    share: CardShares,
+    nodes: Mapping[str, _Node],
+    static: Callable[[PlacementProfile], tuple[dict[_Group, list[str]], list[str]]],
+    p: PlacementProfile,
+) -> Refusal:
+    """Why no node has room for `p`'s share or MIG instance: one line per reason,
+    the nodes past the static filters saying card by card."""
+    cls = p.gpu_class
+    assert cls is not None
+    static_groups, fit = static(p)
+    groups = {g: list(ids) for g, ids in static_groups.items()}
+    for nid in fit:
+        if p.mig is not None:
+            why = share.mig_why(nid, cls, p.mig)
+        else:
+            why = share.share_why(nid, cls, p.gpus_per_node, p.gpu_memory_mib or 0)
+        groups.setdefault((7, why), []).append(nid)
+    return Refusal(tuple(_summarise(groups)), _installing(nodes, static_groups, p))
+
+
+def _check_unallocated(
+    placement: Placement, whole: Mapping[str, frozenset[int]], share: CardShares
+) -> None:
+    """Raise when `placement` takes whole a card that is allocated or shared."""
+    for r in placement.ranks:
+        if r.memory_mib is None and not r.mig_uuids:
+            taken, busy = whole.get(r.node_id, frozenset()), share.busy(r.node_id)
+            again = {i for i in r.gpu_indexes if i in taken or busy >> i & 1}
+            if again:
+                raise ValueError(f"{r.node_id}: cards {sorted(again)} are already allocated")
 
 
 def _installing(
