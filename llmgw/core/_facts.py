@@ -19,6 +19,7 @@ records and the catalog's entries, seen through the small Protocols below.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
@@ -28,6 +29,7 @@ from llmgw.core._drain import DrainInput
 from llmgw.core._liveness import Liveness, NodeState
 from llmgw.core._placement import Allocations, GpuFacts, NodeFacts, PlacementProfile
 from llmgw.core._reconcile import ObservedShard
+from llmgw.core._sharing import MigFacts
 from llmgw.core._weights import cache_name, classify_source, is_cache_name
 from llmgw.core._xid import unhealthy_words
 from llmgw.errors import ConfigError
@@ -74,6 +76,10 @@ class CatalogProfile(Protocol):
     def node_selector(self) -> Mapping[str, str]: ...
     @property
     def fabric(self) -> str | None: ...
+    @property
+    def gpu_memory_gib(self) -> float | None: ...
+    @property
+    def mig(self) -> str | None: ...
 
 
 def socket_interface(node: NodeReport, fabric: str | None) -> str | None:
@@ -114,6 +120,8 @@ def placement_profile(
         node_selector=tuple(sorted(p.node_selector.items())),
         fabric=p.fabric,
         weights_bytes=weights_bytes if fetched else None,
+        gpu_memory_mib=None if p.gpu_memory_gib is None else math.ceil(p.gpu_memory_gib * 1024),
+        mig=p.mig,
     )
 
 
@@ -133,6 +141,12 @@ def gpu_healthy(g: model.Gpu, usage: model.GpuUsage | None) -> bool:
     if gpu_unusable(usage):
         return False
     return not ecc and (foreign or 0) <= FOREIGN_MEMORY_LIMIT_MIB
+
+
+def _foreign(g: model.Gpu, usage: model.GpuUsage | None) -> int | None:
+    """Memory on the card held by processes llmgw did not start: the newest reading."""
+    foreign = usage.foreign_memory_mib if usage is not None else None
+    return g.foreign_memory_mib if foreign is None else foreign
 
 
 def gpu_unusable(usage: model.GpuUsage | None) -> bool:
@@ -235,6 +249,10 @@ def node_facts(rec: NodeReport, declared: model.EngineDecls | None = None) -> No
                 why=unhealthy_words(g.index, usage[g.index].faults)
                 if gpu_unusable(usage.get(g.index))
                 else None,
+                memory_total_mib=g.memory_total_mib,
+                foreign_mib=_foreign(g, usage.get(g.index)),
+                mig_enabled=g.mig_mode == "enabled",
+                mig=tuple(MigFacts(d.uuid, d.profile, d.memory_mib) for d in g.mig_devices),
             )
             for g in inv.gpus
         )
@@ -344,8 +362,11 @@ def allocations(
     in_flight = list(flying)
     gpus: dict[str, frozenset[int]] = {}
     cpu: dict[str, int] = {}
+    claims: dict[str, dict[int, int]] = {}
+    mig: dict[str, frozenset[str]] = {}
     for rec in nodes:
         index = {g.uuid: g.index for g in rec.inventory.gpus or ()}
+        instances = {d.uuid for g in rec.inventory.gpus or () for d in g.mig_devices}
         reported = {s.shard_id for s in rec.shards}
         shards = [s for s in rec.shards if s.replica_id is None or s.replica_id not in without]
         mine = [
@@ -353,13 +374,24 @@ def allocations(
             for node_id, spec in in_flight
             if node_id == rec.node_id and spec.shard_id not in reported
         ]
-        used = {index[u] for s in shards for u in s.gpus if u in index}
-        used |= {index[u] for spec in mine for u in spec.gpus if u in index}
-        gpus[rec.node_id] = frozenset(used)
-        cpu[rec.node_id] = sum(1 for s in shards if not s.gpus) + sum(
-            1 for spec in mine if not spec.gpus
+        held: list[tuple[tuple[str, ...], int | None]] = [
+            (s.gpus, s.gpu_memory_mib) for s in shards
+        ] + [(spec.gpus, spec.gpu_memory_mib) for spec in mine]
+        # Whole cards, shares of cards (MiB claimed on each), MIG instances.
+        gpus[rec.node_id] = frozenset(
+            index[u] for uuids, share in held if share is None for u in uuids if u in index
         )
-    return Allocations(gpus=gpus, cpu_replicas=cpu)
+        node_claims: dict[int, int] = {}
+        for uuids, share in held:
+            if share is None:
+                continue
+            for u in uuids:
+                if u in index:
+                    node_claims[index[u]] = node_claims.get(index[u], 0) + share
+        claims[rec.node_id] = node_claims
+        mig[rec.node_id] = frozenset(u for uuids, _ in held for u in uuids if u in instances)
+        cpu[rec.node_id] = sum(1 for uuids, _ in held if not uuids)
+    return Allocations(gpus=gpus, cpu_replicas=cpu, claims=claims, mig=mig)
 
 
 def drain_input(

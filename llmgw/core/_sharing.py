@@ -268,7 +268,7 @@ class CardShares:
             elif c.mig_enabled:
                 words.append(f"gpu {c.index} is MIG-enabled: shared profiles do not use it")
             elif not c.healthy:
-                words.append(f"gpu {c.index} unhealthy")
+                words.append(c.why or f"gpu {c.index} unhealthy{_foreign_words(c)}")
             elif c.index in self._whole.get(nid, ()):
                 words.append(f"gpu {c.index} is allocated whole")
             elif c.memory_total_mib is None:
@@ -391,3 +391,10 @@ def _gib(mib: int, *, up: bool = True) -> str:
     """MiB as GiB to a tenth: rounded up for what is needed, down for what is had."""
     tenths = -(-mib * 10 // 1024) if up else mib * 10 // 1024
     return str(tenths // 10) if tenths % 10 == 0 else f"{tenths / 10:.1f}"
+
+
+def _foreign_words(c: GpuFacts) -> str:
+    """Why a card with no fault named is out: what others hold on it, when known."""
+    if c.foreign_mib:
+        return f": {c.foreign_mib} MiB held by processes llmgw did not start"
+    return ""

@@ -30,6 +30,9 @@ LLMGW_FAKE_SMI_MEM_USED_MIB, LLMGW_FAKE_SMI_UTIL
     memory.used (MiB, default 0) and utilization.gpu (%, default 0) of every card.
 LLMGW_FAKE_SMI_APPS
     Processes holding memory: `<gpu index>:<pid>:<MiB>` comma-separated.
+LLMGW_FAKE_SMI_APPS_SPEC_FILE
+    A file holding the same form, read at each call when it exists (it wins over
+    LLMGW_FAKE_SMI_APPS): a test names processes it starts after the agent.
 LLMGW_FAKE_SMI_APPS_FILE
     A recorded `--query-compute-apps` output (CSV with its header, in any
     column order, units or not) whose rows are answered instead, each field
@@ -274,6 +277,9 @@ def query_apps(fields: list[str], fmt: str) -> int:
         return 0
     rows = []
     spec = os.environ.get("LLMGW_FAKE_SMI_APPS", "").strip()
+    live = os.environ.get("LLMGW_FAKE_SMI_APPS_SPEC_FILE")
+    if live and os.path.exists(live):  # the same form, read at each call: a test's processes
+        spec = Path(live).read_text().strip()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         gpu, pid, mib = item.split(":")
         card = found[int(gpu)]

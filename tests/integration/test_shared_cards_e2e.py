@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from llmgw.testing import fake_engine, fake_nvidia_smi
@@ -26,6 +28,17 @@ def proc_args(pid: int) -> tuple[list[str], dict[str, str]]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     env = dict(e.decode().split("=", 1) for e in raw if b"=" in e)
     return [a.decode() for a in argv if a], env
+
+
+def place(cluster: LocalCluster, model: str) -> dict[str, Any]:
+    r = httpx.post(
+        cluster.admin_url + "/api/v1/place",
+        headers={"Authorization": f"Bearer {cluster.admin_key}"},
+        json={"model": model},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    return dict(r.json())
 
 
 @pytest.mark.slow(seconds=15)
@@ -48,12 +61,23 @@ def test_four_24_gib_replicas_pack_three_on_one_80_gib_card(
                     "startup_timeout_s": 60,
                 }
             ],
-        }
+        },
+        {  # never started: what `POST /api/v1/place` places, to see which cards take a share
+            "name": "probe",
+            "source": "org/probe-20b",
+            "replicas": 0,
+            "profiles": [{"engine": "vllm", "gpu_class": "h100-80g", "gpu_memory_gib": 40}],
+        },
     ]
     cluster.setup(["g1"])
     cluster.write_agent_config("g1", engine_paths={"vllm": str(bin_dir / "vllm")})
     cluster.start_cp()
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LLMGW_FAKE_GPUS": "2xh100-80g"}
+    apps = tmp_path / "apps"  # the processes nvidia-smi says hold memory, as the test sets
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "LLMGW_FAKE_GPUS": "2xh100-80g",
+        "LLMGW_FAKE_SMI_APPS_SPEC_FILE": str(apps),
+    }
     cluster.start_agent("g1", env=env)
 
     def four_ready() -> list[dict] | None:
@@ -72,9 +96,35 @@ def test_four_24_gib_replicas_pack_three_on_one_80_gib_card(
         assert s["gpu_memory_mib"] == 24 * 1024
         argv, penv = proc_args(s["pids"][-1])
         at = argv.index("--gpu-memory-utilization")
-        assert argv[at + 1] == "0.30", argv  # 24 GiB of the card's 81559 MiB, rounded down
+        assert argv[at + 1] == "0.3", argv  # 24 GiB of the card's 81559 MiB: 0.301, rounded down
         assert penv["CUDA_VISIBLE_DEVICES"] == s["gpus"][0]
-    # llmgw's own replicas on a card are not foreign: both cards stay healthy.
-    assert all(g.get("foreign_memory_mib") in (None, 0) for g in node["inventory"]["gpus"])
+    # The engines hold 20 GiB each on their cards: llmgw's own, not foreign; then a
+    # process llmgw did not start takes 4 GiB of the second card: foreign, over the limit.
+    index = {u: i for i, u in enumerate(uuids)}
+    held = [f"{index[s['gpus'][0]]}:{s['pids'][-1]}:20480" for s in shards]
+    apps.write_text(",".join(held))
+
+    def foreign() -> list[int | None]:
+        usage = cluster.nodes()["g1"]["inventory"]["usage"]["gpus"]
+        return [g.get("foreign_memory_mib") for g in sorted(usage, key=lambda g: g["index"])]
+
+    wait_for("the engines' memory read, none foreign", lambda: foreign() == [0, 0], TIMEOUT)
+    lone = min(per_card, key=per_card.__getitem__)  # the card with one replica
+    # 40 GiB more fits only the card with one replica (79.6 - 24 - 1 GiB headroom).
+    placed = place(cluster, "probe")
+    assert placed["placed"] is True, placed
+    assert placed["ranks"][0]["gpus"] == [index[lone]], placed
+    apps.write_text(",".join([*held, f"{index[lone]}:1:4096"]))
+    want = [4096 if u == lone else 0 for u in uuids]
+    wait_for("the foreign process read", lambda: foreign() == want, TIMEOUT)
+    refused = place(cluster, "probe")
+    assert refused["placed"] is False, refused
+    said = {
+        index[u]: f"gpu {index[u]} unhealthy: 4096 MiB held by processes llmgw did not start"
+        if u == lone
+        else f"gpu {index[u]} has 6.6 GiB unclaimed, needs 40"
+        for u in uuids
+    }
+    assert refused["reasons"] == ["g1: " + "; ".join(said[i] for i in sorted(said))], refused
     replicas = cluster.first.api_get("/api/v1/replicas")["replicas"]
     assert sorted(r["state"] for r in replicas if r["model"] == "small") == ["ready"] * 4

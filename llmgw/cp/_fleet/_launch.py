@@ -48,7 +48,6 @@ def shard_specs(
     rendezvous = free_port(taken.get(leader_host, set()), *RENDEZVOUS_PORTS)
     taken.setdefault(leader_host, set()).add(rendezvous)
     addresses = tuple(records[r.node_id].host for r in where.ranks)
-    eprofile = engine_profile(m, profile)
     fp = catalog.fingerprint(m, profile)
     out = []
     for r in where.ranks:
@@ -57,10 +56,14 @@ def shard_specs(
         port = free_port(taken.get(host, set()), first, last)
         taken.setdefault(host, set()).add(port)
         by_index = {g.index: g for g in rec.inventory.gpus or ()}
+        cards = tuple(by_index[i] for i in r.gpu_indexes)
+        eprofile = engine_profile(m, profile, gpu_memory_fraction=_fraction(profile, cards, r))
+        if r.mig_uuids:  # the instances stand for their cards (CUDA_VISIBLE_DEVICES)
+            cards = tuple(attrs.evolve(g, uuid=u) for g, u in zip(cards, r.mig_uuids, strict=True))
         assignment = engines.Assignment(
             rank=r.rank,
             node_addresses=addresses,
-            gpus=tuple(by_index[i] for i in r.gpu_indexes),
+            gpus=cards,
             port=port,
             rendezvous_port=rendezvous,
             fabric_adapters=tuple(r.fabric_adapters),
@@ -74,11 +77,25 @@ def shard_specs(
             model_name=m.name,
             rank=r.rank,
             ranks=len(where.ranks),
-            gpus=tuple(r.gpu_uuids),
+            gpus=tuple(r.mig_uuids or r.gpu_uuids),
             source=m.source,
+            gpu_memory_mib=r.memory_mib,
         )
         out.append((r.node_id, spec))
     return out
+
+
+def _fraction(
+    profile: Profile, cards: tuple[model.Gpu, ...], r: core.RankPlacement
+) -> float | None:
+    """A share's fraction of its card for the engine (the smallest card's, if several:
+    the engine takes the same fraction of each); None: whole cards or a MIG instance."""
+    if r.memory_mib is None or profile.gpu_memory_gib is None or not cards:
+        return None
+    totals = [g.memory_total_mib for g in cards if g.memory_total_mib]
+    if len(totals) != len(cards):
+        return None  # placement shares only cards of known size
+    return engines.memory_fraction(profile.gpu_memory_gib, min(totals))
 
 
 def relaunch_spec(
@@ -104,8 +121,14 @@ def relaunch_spec(
         port=shard.port,
         rendezvous_port=shard.port,  # one node: nothing meets there
     )
+    share = None
+    if shard.gpu_memory_mib is not None and profile.gpu_memory_gib is not None:
+        totals = [by_uuid[u].memory_total_mib or 0 for u in shard.gpus]
+        share = (
+            engines.memory_fraction(profile.gpu_memory_gib, min(totals)) if all(totals) else None
+        )
     eprofile = attrs.evolve(
-        engine_profile(m, profile),
+        engine_profile(m, profile, gpu_memory_fraction=share),
         adapters=tuple(engines.LaunchAdapter(name, source) for name, source in adapters),
     )
     launch = engines.plan_launch(eprofile, assignment)
@@ -120,4 +143,5 @@ def relaunch_spec(
         source=m.source,
         adapters=tuple(name for name, _ in adapters),
         adapter_sources=tuple(source for _, source in adapters),
+        gpu_memory_mib=shard.gpu_memory_mib,
     )
