@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import FIXTURES, llama_server_binary
 
 from llmgw.testing import fake_engine, fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for
@@ -128,3 +129,124 @@ def test_four_24_gib_replicas_pack_three_on_one_80_gib_card(
     assert refused["reasons"] == ["g1: " + "; ".join(said[i] for i in sorted(said))], refused
     replicas = cluster.first.api_get("/api/v1/replicas")["replicas"]
     assert sorted(r["state"] for r in replicas if r["model"] == "small") == ["ready"] * 4
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_mig_profile_takes_an_instance_and_a_whole_card_profile_is_refused_there(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The recorded MIG-enabled H100 (4 instances: 3g.40gb, 2g.20gb, 2x 1g.10gb): a
+    `mig: 1g.10gb` profile's two replicas take the two 1g.10gb instances, each engine
+    given its instance's MIG UUID in CUDA_VISIBLE_DEVICES; a whole-card profile never
+    lands on the MIG-enabled card, and placement says why."""
+    bin_dir = tmp_path / "bin"
+    fake_nvidia_smi.install(bin_dir)
+    fake_engine.install(bin_dir, "vllm")
+    cluster.models = [
+        {
+            "name": "mini",
+            "source": "org/mini-1b",
+            "replicas": 2,
+            "profiles": [
+                {"engine": "vllm", "gpu_class": "h100-80g", "mig": "1g.10gb",
+                 "startup_timeout_s": 60},
+            ],
+        },
+        {
+            "name": "whole",
+            "source": "org/whole-8b",
+            "replicas": 0,
+            "profiles": [{"engine": "vllm", "gpu_class": "h100-80g"}],
+        },
+    ]  # fmt: skip
+    cluster.setup(["mig-1"])
+    cluster.write_agent_config("mig-1", engine_paths={"vllm": str(bin_dir / "vllm")})
+    cluster.start_cp()
+    cluster.start_agent(
+        "mig-1",
+        env={
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "LLMGW_FAKE_GPUS": "1xh100-80g",
+            "LLMGW_FAKE_SMI_L_FILE": str(FIXTURES / "smil-h100-mig-4migdevs-drv590.txt"),
+            "LLMGW_FAKE_SMI_Q_FILE": str(FIXTURES / "q-h100-mig-enabled-4migdevs-load-drv590.txt"),
+            "LLMGW_FAKE_SMI_BUS_IDS": "00000000:00:09.0",
+        },
+    )
+
+    def two_ready() -> list[dict[str, Any]] | None:
+        shards = [s for n in cluster.nodes().values() for s in n["shards"]]
+        ready = [s for s in shards if s["state"] == "ready"]
+        return ready if len(ready) == 2 else None
+
+    shards = wait_for("two mini replicas ready", two_ready, TIMEOUT)
+    small = {"MIG-00000002-0000-0000-0000-000000000002", "MIG-00000003-0000-0000-0000-000000000003"}
+    assert {s["gpus"][0] for s in shards} == small
+    for s in shards:
+        _, penv = proc_args(s["pids"][-1])
+        assert penv["CUDA_VISIBLE_DEVICES"] == s["gpus"][0]
+    refused = place(cluster, "whole")
+    assert refused["placed"] is False, refused
+    assert "gpu 0 is MIG-enabled: whole-card profiles do not use it" in refused["reasons"][0]
+    more = place(cluster, "mini")  # both 1g.10gb instances are taken
+    assert more["placed"] is False and "no free 1g.10gb instance" in more["reasons"][0], more
+
+
+@pytest.mark.slow(seconds=10)
+def test_two_real_llama_servers_share_one_card_and_both_serve(
+    cluster: LocalCluster, tmp_path: Path, tiny_model: Path
+) -> None:
+    """Real llama-servers (the CPU build: the fake card is a budget, CUDA_VISIBLE_DEVICES
+    names it and nothing reads it) placed by the same rules: two 30 GiB shares on one
+    80 GiB card, both answering through the router."""
+    bin_dir = tmp_path / "bin"
+    fake_nvidia_smi.install(bin_dir)
+    cluster.models = [
+        {
+            "name": "tiny",
+            "source": str(tiny_model),
+            "replicas": 2,
+            "profiles": [
+                {
+                    "engine": "llama-server",
+                    "gpu_class": "h100-80g",
+                    "gpu_memory_gib": 30,
+                    "engine_args": ["--ctx-size", "512", "--threads", "1"],
+                    "startup_timeout_s": 120,
+                }
+            ],
+        }
+    ]
+    cluster.setup(["g1"])
+    cluster.write_agent_config("g1", engine_paths={"llama-server": llama_server_binary()})
+    cluster.start_cp()
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LLMGW_FAKE_GPUS": "2xh100-80g"}
+    cluster.start_agent("g1", env=env)
+
+    def two_ready() -> list[dict[str, Any]] | None:
+        shards = [s for n in cluster.nodes().values() for s in n["shards"]]
+        ready = [s for s in shards if s["state"] == "ready"]
+        return ready if len(ready) == 2 else None
+
+    shards = wait_for("two llama-servers ready", two_ready, 120)
+    assert len({s["gpus"][0] for s in shards}) == 1  # one card, shared
+    key = cluster.api_key("team-a")
+
+    def prompt_tokens(port: int) -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        line = next(x for x in text.splitlines() if x.startswith("llamacpp:prompt_tokens_total"))
+        return float(line.split()[-1])
+
+    def both_answered() -> bool:
+        for i in range(8):
+            r = httpx.post(
+                cluster.router_url + "/chat/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}],
+                      "max_tokens": 2},
+                timeout=60,
+            )  # fmt: skip
+            if r.status_code != 200:
+                return False
+        return all(prompt_tokens(s["port"]) > 0 for s in shards)
+
+    wait_for("both replicas serving through the router", both_answered, 60)
