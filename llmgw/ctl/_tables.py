@@ -75,9 +75,15 @@ def _pair(used: int | None, total: int | None) -> str:
     return f"{_gib(used)}/{_gib(total)}"
 
 
-def _gpus(gpus: list[dict[str, Any]] | None, usage: list[dict[str, Any]] | None = None) -> str:
+def _gpus(
+    gpus: list[dict[str, Any]] | None,
+    usage: list[dict[str, Any]] | None = None,
+    shards: list[dict[str, Any]] | None = None,
+) -> str:
     """`8xh100-80g`, then each card in MIG mode with its instances
-    (`gpu 0 MIG 3g.40gb,2x1g.10gb`), then each card its agent marked unhealthy, and why."""
+    (`gpu 0 MIG 3g.40gb,2x1g.10gb`), each shared card with its replicas' claims
+    (`gpu 0 shared 72/80 GiB: small-1a2b 24, ...`), then each card its agent marked
+    unhealthy, and why."""
     if gpus is None:
         return "-"  # unknown: the agent could not tell
     if not gpus:
@@ -87,8 +93,32 @@ def _gpus(gpus: list[dict[str, Any]] | None, usage: list[dict[str, Any]] | None 
         counts[gpu["gpu_class"]] = counts.get(gpu["gpu_class"], 0) + 1
     cell = ",".join(f"{n}x{cls}" for cls, n in sorted(counts.items()))
     cell += "".join(f"; gpu {g['index']} {_mig(g)}" for g in gpus if g.get("mig_mode") == "enabled")
+    cell += "".join(f"; {c}" for c in _claims(gpus, shards or []))
     sick = [_unhealthy(u) for u in usage or () if u.get("health") == "unhealthy"]
     return cell + "".join(f"; {s}" for s in sick)
+
+
+def _claims(gpus: list[dict[str, Any]], shards: list[dict[str, Any]]) -> list[str]:
+    """Each card shared by replicas (their `gpu_memory_mib` on it), with what each claims:
+    `gpu 0 shared 72/80 GiB: small-1a2b 24, small-3c4d 24, small-5e6f 24`."""
+    out = []
+    for g in gpus:
+        mine = sorted(
+            (s for s in shards if g["uuid"] in (s.get("gpus") or ()) and s.get("gpu_memory_mib")),
+            key=lambda s: s.get("replica_id") or s["shard_id"],
+        )
+        if not mine:
+            continue
+        claimed = sum(s["gpu_memory_mib"] for s in mine)
+        total = g.get("memory_total_mib")
+        of = "?" if total is None else f"{total / 1024:.0f}"
+        each = ", ".join(f"{s.get('replica_id') or s['shard_id']} {_gib_of(s)}" for s in mine)
+        out.append(f"gpu {g['index']} shared {claimed / 1024:.0f}/{of} GiB: {each}")
+    return out
+
+
+def _gib_of(shard: dict[str, Any]) -> str:
+    return f"{shard['gpu_memory_mib'] / 1024:g}"
 
 
 def _mig(gpu: dict[str, Any]) -> str:
@@ -181,7 +211,7 @@ def format_nodes(nodes: list[dict[str, Any]], *, now: float) -> str:
                 _node_state(n, shards),
                 age(now - n["since"]),
                 age(None if n.get("last_seen") is None else now - n["last_seen"]),
-                _gpus(inv.get("gpus"), usage.get("gpus")),
+                _gpus(inv.get("gpus"), usage.get("gpus"), shards),
                 _pair(used, total),
                 _disk(usage.get("filesystems") or []),
                 format_engines(inv.get("engines")),

@@ -99,6 +99,11 @@ def test_four_24_gib_replicas_pack_three_on_one_80_gib_card(
         at = argv.index("--gpu-memory-utilization")
         assert argv[at + 1] == "0.3", argv  # 24 GiB of the card's 81559 MiB: 0.301, rounded down
         assert penv["CUDA_VISIBLE_DEVICES"] == s["gpus"][0]
+    # `ctl nodes` shows each shared card's claims, per replica.
+    row = next(x for x in cluster.ctl("nodes").stdout.splitlines() if x.startswith("g1"))
+    full = max(per_card, key=per_card.__getitem__)
+    mine = sorted(s["replica_id"] for s in shards if s["gpus"][0] == full)
+    assert f"gpu {uuids.index(full)} shared 72/80 GiB: " + ", ".join(f"{r} 24" for r in mine) in row
     # The engines hold 20 GiB each on their cards: llmgw's own, not foreign; then a
     # process llmgw did not start takes 4 GiB of the second card: foreign, over the limit.
     index = {u: i for i, u in enumerate(uuids)}
