@@ -13,7 +13,7 @@ import pytest
 from llmgw.agent._servant import AgentServant, read_epoch, write_epoch
 from llmgw.errors import ConfigError, StaleEpoch
 from llmgw.testing import fake_engine
-from llmgw.testing.cluster import LocalCluster
+from llmgw.testing.cluster import LocalCluster, wait_for
 
 TIMEOUT = 60
 
@@ -58,8 +58,9 @@ def test_a_restarted_agent_refuses_an_older_epochs_command(
     agent = cluster.start_agent("n1")
     cluster.wait_states({"n1": "ready"}, TIMEOUT)
     epoch_file = cluster.root / "n1" / "epoch"
-    # Registration told it the leader's epoch (1, with one control plane): kept.
-    assert read_epoch(epoch_file) == 1
+    # Registration told it the leader's epoch (1, with one control plane): kept (written
+    # once the agent has the answer, which may be after the control plane lists it ready).
+    wait_for("the epoch kept", lambda: read_epoch(epoch_file) == 1, TIMEOUT)
     started = cluster.ctl(
         "shard", "start", "n1", "--engine", "llama-server", "--model", "llmgw-test/tiny"
     )

@@ -47,6 +47,7 @@ OTHER: dict[str, object] = {
     "source": "mirror:/other.gguf",
     "adapters": ("a", "b"),
     "adapter_sources": ("mirror:/a.gguf", "mirror:/b.gguf"),
+    "gpu_memory_mib": 24576,  # a share of each card: placement's, never a relaunch's
 }
 
 
