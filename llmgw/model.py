@@ -301,6 +301,9 @@ class ShardUsage:
     shard_id: str
     cpu_cores: float | None = None
     rss_bytes: int | None = None
+    # What its process group holds on the one of its cards where it holds most (MiB), read
+    # from the cards' compute-apps: 0 when they list none of its processes; None: unknown.
+    gpu_memory_mib: int | None = None
 
 
 @attrs.frozen

@@ -161,6 +161,7 @@ struct ShardUsage {
   shardId @0 :Text;
   cpuCores @1 :OptF64;
   rssBytes @2 :OptI64;
+  gpuMemoryMib @3 :OptI64;
 }
 
 struct Usage {

@@ -97,7 +97,10 @@ USAGE = model.Usage(
         model.Filesystem("/", "ext4", ("/var/lib/llmgw",), 100 << 30, 5 << 30, False),
         model.Filesystem("/shared", "nfs", ("/models",), 10 << 40, None, True),
     ),
-    shards=(model.ShardUsage("s1", cpu_cores=2.5, rss_bytes=3 << 30),),
+    shards=(
+        model.ShardUsage("s1", cpu_cores=2.5, rss_bytes=3 << 30, gpu_memory_mib=20480),
+        model.ShardUsage("s2"),  # nothing measured
+    ),
 )
 
 
@@ -154,6 +157,8 @@ async def test_collector_exports_what_was_reported_and_drops_a_stale_sample() ->
     assert one(got, "llmgw_gpu_healthy", gpu="1") == 0  # Xid 79: the card is out
     assert one(got, "llmgw_shard_cpu_cores", node="gpu-a", shard="s1", model="tiny") == 2.5
     assert one(got, "llmgw_shard_memory_bytes", shard="s1") == 3 << 30
+    assert one(got, "llmgw_shard_gpu_memory_bytes", shard="s1") == 20480 * MIB
+    assert pick(got, "llmgw_shard_gpu_memory_bytes", shard="s2") == {}  # unknown: absent
     assert one(got, "llmgw_engine_state", engine="llama-server", state="installed") == 1
     assert one(got, "llmgw_engine_state", engine="vllm", state="failed") == 1
     assert one(got, "llmgw_fabric_adapters", fabric="ib0") == 2

@@ -112,6 +112,9 @@ class GpuProbe:
     cuda_version: str | None = None
     warnings: tuple[str, ...] = ()
     source: str | None = None  # "nvml" or "nvidia-smi"
+    # Every process holding memory on a card, as the same reading listed them (each
+    # shard's own memory is read from it); None: not read, or a card did not answer.
+    apps: tuple[ComputeApp, ...] | None = None
 
 
 def probe_gpus(
@@ -153,7 +156,10 @@ def probe_gpus(
                 for g in reading.gpus
             )
             nvml_links = reading.nvlinks
-            probe = GpuProbe(found, None, reading.driver_version, reading.cuda_version, (), "nvml")
+            listed = [reading.apps.get(g.uuid) for g in reading.gpus]
+            every = None if None in listed else tuple(a for apps in listed for a in apps or ())
+            probe = GpuProbe(found, None, reading.driver_version, reading.cuda_version, (), "nvml",
+                             every)  # fmt: skip
     if probe is None:
         probe = _smi_gpus(runner, llmgw_pids, versions=topology)
         if nvml_reason is not None:
@@ -224,6 +230,7 @@ def _smi_gpus(runner: Runner, llmgw_pids: Collection[int], *, versions: bool) ->
     apps_query = f"--query-compute-apps={','.join(COMPUTE_APPS_FIELDS)}"
     a = _smi(runner, apps_query, "--format=csv,noheader,nounits")
     foreign: dict[str, int | None] = {}
+    apps: tuple[ComputeApp, ...] | None = None
     if a.ok:
         try:
             apps = parse_compute_apps(a.stdout, source=f"nvidia-smi {apps_query}")
@@ -246,7 +253,7 @@ def _smi_gpus(runner: Runner, llmgw_pids: Collection[int], *, versions: bool) ->
             driver, cuda = found.driver, found.cuda
         except ParseError as e:
             logger.info("driver version unknown: %s", e)
-    return GpuProbe(gpus, None, driver, cuda, mig_problems, "nvidia-smi")
+    return GpuProbe(gpus, None, driver, cuda, mig_problems, "nvidia-smi", apps)
 
 
 def _smi_mig(runner: Runner, gpus: tuple[Gpu, ...]) -> tuple[tuple[Gpu, ...], tuple[str, ...]]:
@@ -639,10 +646,12 @@ class UsageSampler:
         util = cpu_util_pct(self._cpu, cpu) if self._cpu is not None and cpu is not None else None
         self._cpu = cpu
         gpu_usage: tuple[GpuUsage, ...] = ()
+        apps: tuple[ComputeApp, ...] | None = None
         if gpus:
             probe = probe_gpus(self.runner, nvml=self.nvml, llmgw_pids=llmgw_pids, topology=False)
             gpu_usage = _gpu_usage(probe.gpus)
-        shard_usage = self._shards(shards or {})
+            apps = probe.apps if probe.gpus else None
+        shard_usage = self._shards(shards or {}, apps)
         self.samples += 1
         return Usage(
             memory_total_bytes=mem.total_bytes if mem else None,
@@ -656,7 +665,11 @@ class UsageSampler:
             shards=shard_usage,
         )
 
-    def _shards(self, shards: Mapping[str, Collection[int]]) -> tuple[ShardUsage, ...]:
+    def _shards(
+        self, shards: Mapping[str, Collection[int]], apps: tuple[ComputeApp, ...] | None = None
+    ) -> tuple[ShardUsage, ...]:
+        """Each shard's process group: its CPU, RSS and GPU memory (`apps`: the GPU
+        probe's reading of who holds what; None: not read, so the GPU memory unknown)."""
         now, wall = self._clock(), time.time()
         before, before_at = self._procs, self._procs_at
         seen: dict[int, _ProcSample] = {}
@@ -665,7 +678,8 @@ class UsageSampler:
             rss = 0
             delta = 0.0
             alive = 0
-            for proc in _process_group(pids):
+            group = _process_group(pids)
+            for proc in group:
                 try:
                     with proc.oneshot():
                         times = proc.cpu_times()
@@ -683,11 +697,31 @@ class UsageSampler:
             cores = None
             if alive and before_at is not None and now > before_at[0]:
                 cores = delta / (now - before_at[0])
-            result.append(
-                ShardUsage(shard_id=shard_id, cpu_cores=cores, rss_bytes=rss if alive else None)
-            )
+            held = shard_gpu_memory_mib(apps, {p.pid for p in group}) if alive else None
+            rss_known = rss if alive else None
+            result.append(ShardUsage(shard_id, cores, rss_known, held))
         self._procs, self._procs_at = seen, (now, wall)
         return tuple(result)
+
+
+def shard_gpu_memory_mib(apps: Iterable[ComputeApp] | None, group: Collection[int]) -> int | None:
+    """What a shard's process group holds on the card where it holds most: its processes'
+    memory summed per card (its claim is per card too). 0: the reading answered and listed
+    none of them; None: not read, or one of its processes' sizes not reported."""
+    if apps is None:
+        return None
+    per_card: dict[str, int | None] = {}
+    for app in apps:
+        if app.pid not in group:
+            continue
+        held = per_card.get(app.gpu_uuid, 0)
+        if held is None or app.used_memory_mib is None:
+            per_card[app.gpu_uuid] = None
+        else:
+            per_card[app.gpu_uuid] = held + app.used_memory_mib
+    if None in per_card.values():
+        return None
+    return max((v for v in per_card.values() if v is not None), default=0)
 
 
 def process_tree(pids: Iterable[int]) -> frozenset[int]:

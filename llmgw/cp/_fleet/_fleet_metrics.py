@@ -118,6 +118,7 @@ DOCS = {
     "llmgw_gpu_nvlink_peers": "cards this card reaches by NVLink",
     "llmgw_shard_cpu_cores": "CPU cores the shard's processes use",
     "llmgw_shard_memory_bytes": "resident memory of the shard's processes",
+    "llmgw_shard_gpu_memory_bytes": "GPU memory the shard's processes hold on its fullest card",
     "llmgw_replica_state": "1 for each replica's current state",
     "llmgw_model_desired_replicas": "replicas wanted now: the catalog's, or the autoscaler's",
     "llmgw_model_ready_replicas": "replicas in state ready",
@@ -173,6 +174,8 @@ def fleet_families(inp: FleetInput) -> list[Metric]:
             labels = {"node": node, "shard": su.shard_id, "model": models.get(su.shard_id, "")}
             add("llmgw_shard_cpu_cores", labels, su.cpu_cores)
             add("llmgw_shard_memory_bytes", labels, su.rss_bytes)
+            gpu = su.gpu_memory_mib
+            add("llmgw_shard_gpu_memory_bytes", labels, None if gpu is None else gpu * MIB)
         if inv.engines is not None:
             for e in inv.engines.found[:ITEMS_MAX]:
                 add("llmgw_engine_state", {"node": node, "engine": e.name, "state": e.state}, 1)

@@ -46,6 +46,7 @@ from llmgw.core import (
 from llmgw.cp._fleet._backoffs import ModelBackoffs
 from llmgw.cp._fleet._catalog import Catalog, CatalogModel, Profile
 from llmgw.cp._fleet._launch import shard_specs
+from llmgw.cp._fleet._memory_watch import MemoryWatch
 from llmgw.cp._fleet._placing import Placing, Unplaced
 from llmgw.cp._fleet._priorities import Priorities
 from llmgw.cp._fleet._registry import NodeRegistry
@@ -161,7 +162,8 @@ class Reconciler:
         # the last pass acted on: server.yaml's, with undone models pinned.
         self.rollouts = rollouts if rollouts is not None else Rollouts()
         self._models: Catalog | None = None
-        self.wedged = WedgedReplicas(wedged)  # llmgw/cp/_fleet/_wedged.py
+        self.memory = MemoryWatch(registry)  # shared cards: llmgw/cp/_fleet/_memory_watch.py
+        self.wedged = WedgedReplicas(self.memory.with_routers(wedged))  # _wedged.py
 
     def __repr__(self) -> str:
         return f"<Reconciler {self.statistics()}>"
@@ -261,6 +263,7 @@ class Reconciler:
                                  also=stale | _too_many(shards, wanted),
                                  replicas=core.gpu_drains(self._registry.records()))  # fmt: skip
         controls = self.rollouts.controls(self._unplaced)
+        self.memory.note(seen)
         self.wedged.note(seen, now)
 
         def reconcile() -> Plan:
@@ -482,7 +485,8 @@ class Reconciler:
     def replicas(self) -> list[ReplicaView]:
         """The last plan's replicas, then starts in flight not reported yet, then starts
         that never reached their agent (with why), and wedged ones, for 10 minutes."""
-        return _views(self._last_plan, self._pending, self.wedged.views() | self._failed_starts)
+        return self.memory.annotate(_views(self._last_plan, self._pending,
+                                           self.wedged.views() | self._failed_starts))  # fmt: skip
 
     def unplaced(self) -> list[Unplaced]:
         return list(self._unplaced.values())

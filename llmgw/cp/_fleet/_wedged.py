@@ -1,4 +1,5 @@
-"""The reconciler's memory of replicas a router quarantined as wedged.
+"""The reconciler's memory of replicas a router quarantined as wedged (and of those the
+memory watch replaces: llmgw/cp/_fleet/_memory_watch.py, the same path).
 
 A router (this control plane's, or one of its workers: llmgw/cp/_workers.py)
 quarantines an endpoint whose requests get no bytes while the model's other
@@ -39,7 +40,7 @@ class WedgedReplicas:
         told = self._source() if self._source is not None else {}
         for replica_id, why in told.items():
             if replica_id in reported and replica_id not in self.reasons:
-                log.warning("replica %s: a router quarantined it: %s", replica_id, why)
+                log.warning("replica %s is replaced: %s", replica_id, why)
                 self.reasons[replica_id] = why
         self._views = {
             r: (v, at)

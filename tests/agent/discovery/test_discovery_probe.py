@@ -633,3 +633,54 @@ def test_usage_probe_skips_topology_and_versions(fake_smi: pytest.MonkeyPatch) -
         (1, 70000, 0),
     ]
     assert [c[1].split("=")[0] for c in calls] == ["--query-gpu", "--query-compute-apps"]
+
+
+def test_each_shard_s_gpu_memory_is_its_process_group_s_from_the_same_reading(
+    fake_smi: pytest.MonkeyPatch,
+) -> None:
+    """A shard's GPU memory: its processes' (its engine and the engine's children) summed
+    per card, the card where it holds most; read from the one compute-apps query the GPU
+    probe already makes."""
+    code = (
+        "import subprocess,sys,time\n"
+        "p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(30)'])\n"
+        "print(p.pid,flush=True)\ntime.sleep(30)"
+    )
+    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert engine.stdout is not None
+        child = int(engine.stdout.readline())
+        fake_smi.setenv("LLMGW_FAKE_GPUS", "2xh100-80g")
+        # The engine 1000 MiB on card 0, its child 3000 on card 0 and 500 on card 1; a
+        # process llmgw did not start 7000 on card 1.
+        apps = f"0:{engine.pid}:1000,0:{child}:3000,1:{child}:500,1:{2**22 + 9}:7000"
+        fake_smi.setenv("LLMGW_FAKE_SMI_APPS", apps)
+        calls: list[tuple[str, ...]] = []
+        real = SubprocessRunner()
+
+        def spy(argv: Sequence[str], timeout: float) -> RunResult:
+            calls.append(tuple(argv))
+            return real(argv, timeout)
+
+        sampler = UsageSampler(runner=spy, nvml=None)
+        shards = {"eng": [engine.pid], "idle": [idle.pid], "gone": [2**22 + 7]}
+        usage = sampler.sample(shards=shards, llmgw_pids=[engine.pid, idle.pid])
+        held = {s.shard_id: s.gpu_memory_mib for s in usage.shards}
+        assert held == {"eng": 4000, "idle": 0, "gone": None}
+        assert [g.foreign_memory_mib for g in usage.gpus] == [0, 7000]
+        assert [c[1].split("=")[0] for c in calls] == ["--query-gpu", "--query-compute-apps"]
+        # No GPU reading: unknown, never 0.
+        blind = UsageSampler(runner=spy, nvml=None).sample(shards=shards, gpus=False)
+        assert {s.shard_id: s.gpu_memory_mib for s in blind.shards} == dict.fromkeys(shards)
+        fake_smi.setenv("LLMGW_FAKE_GPUS", "")  # no cards: nothing to hold memory on
+        none = UsageSampler(runner=spy, nvml=None).sample(shards=shards)
+        assert {s.shard_id: s.gpu_memory_mib for s in none.shards} == dict.fromkeys(shards)
+    finally:
+        for kid in psutil.Process(engine.pid).children():
+            kid.kill()
+        for p in (engine, idle):
+            p.kill()
+            p.wait()
+        if engine.stdout is not None:
+            engine.stdout.close()
