@@ -104,6 +104,13 @@ def test_four_24_gib_replicas_pack_three_on_one_80_gib_card(
     full = max(per_card, key=per_card.__getitem__)
     mine = sorted(s["replica_id"] for s in shards if s["gpus"][0] == full)
     assert f"gpu {uuids.index(full)} shared 72/80 GiB: " + ", ".join(f"{r} 24" for r in mine) in row
+    # So does the node page, under each card.
+    with httpx.Client(base_url=cluster.admin_url, timeout=10) as client:
+        r = client.post("/admin/login", data={"key": cluster.admin_key})
+        assert r.status_code in (200, 303), r.text
+        page = client.get("/admin/nodes/g1").text
+    claims = ", ".join(f"{r} 24" for r in mine)
+    assert f'<small data-field="gpu-claims">shared: 72 GiB claimed ({claims})</small>' in page
     # The engines hold 20 GiB each on their cards: llmgw's own, not foreign; then a
     # process llmgw did not start takes 4 GiB of the second card: foreign, over the limit.
     index = {u: i for i, u in enumerate(uuids)}

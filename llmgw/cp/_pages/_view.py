@@ -141,6 +141,21 @@ def _mig_text(gpu: Mapping[str, Any]) -> str | None:
     return text + (f" ({pending} after a GPU reset)" if pending is not None else "")
 
 
+def _claims_text(gpu: Mapping[str, Any], shards: Any) -> str | None:
+    """`shared: 72 GiB claimed (small-1a2b 24, ...)`: the replicas sharing the card and
+    what each claims of it; None: no replica shares it."""
+    mine = sorted(
+        (s for s in shards if gpu.get("uuid") in (s.get("gpus") or ()) and s.get("gpu_memory_mib")),
+        key=lambda s: s.get("replica_id") or s.get("shard_id") or "",
+    )
+    if not mine:
+        return None
+    each = ", ".join(
+        f"{s.get('replica_id') or s.get('shard_id')} {s['gpu_memory_mib'] / 1024:g}" for s in mine
+    )
+    return f"shared: {sum(s['gpu_memory_mib'] for s in mine) / 1024:g} GiB claimed ({each})"
+
+
 def node_figures(node: Mapping[str, Any]) -> dict[str, Any]:
     """The node page's current figures and its GPUs and shards, from one /api/v1/nodes entry."""
     inv = node.get("inventory") or {}
@@ -161,6 +176,7 @@ def node_figures(node: Mapping[str, Any]) -> dict[str, Any]:
             "index": g.get("index"),
             "name": g.get("name"),
             "mig": _mig_text(g),
+            "claims": _claims_text(g, node.get("shards") or ()),
             "util": fmt_num(util, 0) + (" %" if util is not None else ""),
             "memory": f"{fmt_bytes(None if mem_used is None else mem_used * MIB)} of "
                       f"{fmt_bytes(None if total_mib is None else total_mib * MIB)}",
