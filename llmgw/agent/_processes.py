@@ -21,6 +21,7 @@ import trio
 
 from llmgw import model
 from llmgw.agent import _procfs, _runfile
+from llmgw.agent._fit import fit_env
 from llmgw.agent._shard import ProcRecord, Shard, ShardError
 from llmgw.core import local_argv
 
@@ -74,6 +75,10 @@ class Launcher:
     async def spawn(self, shard: Shard, spec: model.ProcessSpec) -> ProcRecord:
         """Start one process; it is in `shard.procs` and run.json before this returns."""
         argv = local_argv(self.resolve(spec.argv, shard.spec.engine), shard.local_paths)
+        env = self.env(shard.spec, spec)
+        share, gpus = shard.spec.gpu_memory_mib, shard.spec.gpus
+        if shard.spec.engine == "llama-server" and spec.role == "engine" and share and gpus:
+            env.update(await fit_env(gpus, share))  # held to its share (llmgw/agent/_fit.py)
         out = shard.dir / f"{spec.name}.stdout.log"
         err = shard.dir / f"{spec.name}.stderr.log"
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
@@ -85,7 +90,7 @@ class Launcher:
             pid = os.posix_spawnp(  # noqa: ASYNC221 - returns once the exec happened
                 argv[0],
                 argv,
-                self.env(shard.spec, spec),
+                env,
                 file_actions=[
                     (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                     (os.POSIX_SPAWN_OPEN, 1, str(out), flags, 0o644),

@@ -241,6 +241,11 @@ def test_two_real_llama_servers_share_one_card_and_both_serve(
 
     shards = wait_for("two llama-servers ready", two_ready, 120)
     assert len({s["gpus"][0] for s in shards}) == 1  # one card, shared
+    # Each is held to its share at start: fit's margin is the card's free memory (the
+    # fake reports all 81559 MiB free) less 30 GiB.
+    for s in shards:
+        argv, penv = proc_args(s["pids"][-1])
+        assert penv["LLAMA_ARG_FIT_TARGET"] == str(81559 - 30 * 1024), argv
     key = cluster.api_key("team-a")
 
     def prompt_tokens(port: int) -> float:
