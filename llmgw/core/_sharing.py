@@ -218,10 +218,13 @@ class CardShares:
         best: tuple[int, _Entry] | None = None
         for nid in eligible:
             fit = [(t, e) for c, t, e in self._entries.get(nid, ()) if c == cls and e[0] >= mib]
-            if len(fit) >= k:
-                top = min(fit)
-                if best is None or top < best:
-                    best = top
+            # The lists may hold fewer entries of a node than it has fitting cards (an
+            # empty card stands for its node's others): count its cards, as the walk does.
+            if not fit or (k > 1 and len(self._fitting(nid, cls, mib)) < k):
+                continue
+            top = min(fit)
+            if best is None or top < best:
+                best = top
         if best is None:
             return None
         nid = best[1][2]
