@@ -908,3 +908,47 @@ def ask_with_system(client: Any, model: str, system: str, question: str) -> tupl
     )
     assert r.status_code == 200, r.text
     return worker_index(r.headers), int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+# Four replicas of 24 GiB each on fake H100s (tests/integration: shared cards, the watch).
+SMALL_SHARES: dict[str, Any] = {
+    "name": "small",
+    "source": "org/small-8b",
+    "replicas": 4,
+    "profiles": [
+        {"engine": "vllm", "gpu_class": "h100-80g", "gpu_memory_gib": 24, "startup_timeout_s": 60}
+    ],
+}
+
+
+def start_shared_cards(
+    cluster: Any, tmp_path: Path, *more_models: dict[str, Any], timeout: float = 60
+) -> tuple[Path, list[dict[str, Any]]]:
+    """A control plane and an agent `g1` with two fake H100 80 GB cards and the fake vLLM,
+    `SMALL_SHARES` (and `more_models`) in the catalog; waits for its four replicas. Returns
+    the file the fake nvidia-smi reads its processes from (`gpu:pid:MiB,...`) and the four
+    ready shards."""
+    from llmgw.testing import fake_engine, fake_nvidia_smi
+    from llmgw.testing.cluster import wait_for
+
+    bin_dir = tmp_path / "bin"
+    fake_nvidia_smi.install(bin_dir)
+    fake_engine.install(bin_dir, "vllm")
+    cluster.models = [SMALL_SHARES, *more_models]
+    cluster.setup(["g1"])
+    cluster.write_agent_config("g1", engine_paths={"vllm": str(bin_dir / "vllm")})
+    cluster.start_cp()
+    apps = tmp_path / "apps"  # the processes nvidia-smi says hold memory, as the test sets
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "LLMGW_FAKE_GPUS": "2xh100-80g",
+        "LLMGW_FAKE_SMI_APPS_SPEC_FILE": str(apps),
+    }
+    cluster.start_agent("g1", env=env)
+
+    def four_ready() -> list[dict[str, Any]] | None:
+        shards = [s for n in cluster.nodes().values() for s in n["shards"]]
+        ready = [s for s in shards if s["state"] == "ready"]
+        return ready if len(ready) == 4 else None
+
+    return apps, wait_for("four replicas ready", four_ready, timeout)

@@ -178,12 +178,12 @@ async def test_an_adapters_demand_is_this_cps_routers_now_plus_the_others_last_r
         await standby._publish({"w0": {"sql": theirs}})
         await leader._read_others()
         leader.step(mine, 0.0)
-        got = leader.demand("sql")
+        got = leader.demand(["sql"]).get("sql")
         assert got is not None and (got.queued, got.in_flight, got.last_used) == (3, 4, 500.0)
         # The own request was answered since: only the standby's figures remain.
         mine["w0"]["sql"] = attrs.evolve(load(0, 0), last_used=900.0)
-        got = leader.demand("sql")
+        got = leader.demand(["sql"]).get("sql")
         assert got is not None and (got.queued, got.in_flight, got.last_used) == (1, 3, 900.0)
-        assert leader.demand("nobody") is None
+        assert leader.demand(["nobody"]).get("nobody") is None
     finally:
         await store.aclose()

@@ -10,14 +10,13 @@ when it pushes its card past its total it is the one replaced, and the others ke
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import start_shared_cards
 
-from llmgw.testing import fake_engine, fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for
 
 TIMEOUT = 60
@@ -29,41 +28,12 @@ TOTAL = 81559  # the recorded H100 80 GB's memory.total
 def test_a_replica_over_its_claim_is_reported_and_replaced_when_its_card_is_full(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    bin_dir = tmp_path / "bin"
-    fake_nvidia_smi.install(bin_dir)
-    fake_engine.install(bin_dir, "vllm")
-    cluster.models = [
-        {
-            "name": "small",
-            "source": "org/small-8b",
-            "replicas": 4,
-            "profiles": [
-                {
-                    "engine": "vllm",
-                    "gpu_class": "h100-80g",
-                    "gpu_memory_gib": 24,
-                    "startup_timeout_s": 60,
-                }
-            ],
-        }
-    ]
-    cluster.setup(["g1"])
-    cluster.write_agent_config("g1", engine_paths={"vllm": str(bin_dir / "vllm")})
-    cluster.start_cp()
-    apps = tmp_path / "apps"
-    env = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "LLMGW_FAKE_GPUS": "2xh100-80g",
-        "LLMGW_FAKE_SMI_APPS_SPEC_FILE": str(apps),
-    }
-    cluster.start_agent("g1", env=env)
+    apps, shards = start_shared_cards(cluster, tmp_path, timeout=TIMEOUT)
 
     def ready_shards() -> list[dict[str, Any]]:
         shards = [s for n in cluster.nodes().values() for s in n["shards"]]
         return [s for s in shards if s["state"] == "ready"]
 
-    shards = wait_for("four replicas ready", lambda: len(ready_shards()) == 4 and ready_shards(),
-                      TIMEOUT)  # fmt: skip
     uuids = [g["uuid"] for g in cluster.nodes()["g1"]["inventory"]["gpus"]]
     index = {u: i for i, u in enumerate(uuids)}
     per_card = Counter(s["gpus"][0] for s in shards)

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import FIXTURES, llama_server_binary
+from helpers import FIXTURES, llama_server_binary, start_shared_cards
 
 from llmgw.testing import fake_engine, fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for
@@ -46,47 +46,13 @@ def place(cluster: LocalCluster, model: str) -> dict[str, Any]:
 def test_four_24_gib_replicas_pack_three_on_one_80_gib_card(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    bin_dir = tmp_path / "bin"
-    fake_nvidia_smi.install(bin_dir)
-    fake_engine.install(bin_dir, "vllm")
-    cluster.models = [
-        {
-            "name": "small",
-            "source": "org/small-8b",
-            "replicas": 4,
-            "profiles": [
-                {
-                    "engine": "vllm",
-                    "gpu_class": "h100-80g",
-                    "gpu_memory_gib": 24,
-                    "startup_timeout_s": 60,
-                }
-            ],
-        },
-        {  # never started: what `POST /api/v1/place` places, to see which cards take a share
-            "name": "probe",
-            "source": "org/probe-20b",
-            "replicas": 0,
-            "profiles": [{"engine": "vllm", "gpu_class": "h100-80g", "gpu_memory_gib": 40}],
-        },
-    ]
-    cluster.setup(["g1"])
-    cluster.write_agent_config("g1", engine_paths={"vllm": str(bin_dir / "vllm")})
-    cluster.start_cp()
-    apps = tmp_path / "apps"  # the processes nvidia-smi says hold memory, as the test sets
-    env = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "LLMGW_FAKE_GPUS": "2xh100-80g",
-        "LLMGW_FAKE_SMI_APPS_SPEC_FILE": str(apps),
+    probe = {  # never started: what `POST /api/v1/place` places, to see which cards take a share
+        "name": "probe",
+        "source": "org/probe-20b",
+        "replicas": 0,
+        "profiles": [{"engine": "vllm", "gpu_class": "h100-80g", "gpu_memory_gib": 40}],
     }
-    cluster.start_agent("g1", env=env)
-
-    def four_ready() -> list[dict] | None:
-        shards = [s for n in cluster.nodes().values() for s in n["shards"]]
-        ready = [s for s in shards if s["state"] == "ready"]
-        return ready if len(ready) == 4 else None
-
-    shards = wait_for("four replicas ready", four_ready, TIMEOUT)
+    apps, shards = start_shared_cards(cluster, tmp_path, probe, timeout=TIMEOUT)
     node = cluster.nodes()["g1"]
     uuids = [g["uuid"] for g in node["inventory"]["gpus"]]
     per_card = Counter(s["gpus"][0] for s in shards)

@@ -9,7 +9,7 @@ What a replica holds
     (`engines.listed_adapters` of its `/v1/models`).
 
 When an adapter is loaded
-    Every `tick_s` the leader reads each adapter's demand (`demand(name)`: the routers'
+    Every `tick_s` the leader reads the adapters' demand (`demand(names)`: the routers'
     `RouterLoad` for the adapter's name, queued and in flight, summed over every router
     of every control plane). A request for an adapter no replica holds waits in its
     router (the adapter's hold, llmgw/router/_holds.py), and that is the demand: the
@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -119,7 +119,7 @@ class AdapterManager:
         registry: Registry,
         *,
         acting: Callable[[], bool],
-        demand: Callable[[str], core.RouterLoad | None],
+        demand: Callable[[Iterable[str]], Mapping[str, core.RouterLoad]],
         in_flight: Callable[[str], int | None],
         refresh: Callable[[], None],
         events: EventSink,
@@ -162,13 +162,15 @@ class AdapterManager:
         being evicted is not)."""
         if replica_id is None:
             return ()
+        if shard.engine == "llama-server":  # out of the view whole while it changes
+            return tuple(shard.adapters)
+        return self._remaining(replica_id, shard)
+
+    def _remaining(self, replica_id: str, shard: model.ShardReport) -> tuple[str, ...]:
+        """What the replica holds less what is being evicted from it."""
         held = shard.adapters if shard.engine == "llama-server" else self._runtime.get(replica_id)
-        hidden = self._hidden.get(replica_id)
-        if not held or not hidden:
-            return tuple(held or ())
-        if shard.engine == "llama-server":
-            return tuple(held)  # the whole replica is out of the view while it changes
-        return tuple(a for a in held if a not in hidden)
+        hidden = self._hidden.get(replica_id, set())
+        return tuple(a for a in held or () if a not in hidden)
 
     def out(self) -> frozenset[str]:
         """Replicas the router must send nothing new (a llama-server being relaunched)."""
@@ -183,13 +185,14 @@ class AdapterManager:
         catalog = self._catalog()
         replicas = {r.replica_id: r for m in catalog.models for r in self._replicas(catalog, m)}
         out = []
+        demand = self._demand(a.name for a in catalog.adapters)
         for a in catalog.adapters:
             held = tuple(
                 (r.replica_id, r.node_id)
                 for r in replicas.values()
                 if r.model_name == a.base and a.name in self.held(r.replica_id, r.shard)
             )
-            d = self._demand(a.name)
+            d = demand.get(a.name)
             out.append(
                 AdapterStatus(
                     a.name,
@@ -281,10 +284,8 @@ class AdapterManager:
         the wall clock (the routers' last uses are wall clock)."""
         catalog = self._catalog()
         adapters = catalog.adapters
-        demand = {a.name: self._demand(a.name) for a in adapters}
+        demand = self._demand(a.name for a in adapters)
         for name, d in demand.items():
-            if d is None:
-                continue
             used = d.last_used
             if d.queued or d.in_flight:
                 used = max(used or now, now)
@@ -292,8 +293,7 @@ class AdapterManager:
                 self._last_used[name] = used
                 self.counts.setdefault(name, AdapterCounts()).last_used = used
         for a in adapters:
-            d = demand[a.name]
-            if d is None or not d.queued:
+            if a.name not in demand or not demand[a.name].queued:
                 continue
             m = catalog.model(a.base)
             if m is None:
@@ -324,11 +324,9 @@ class AdapterManager:
             self._nursery.start_soon(self._load, r, a.name, a.source, plan.evict)
 
     def _view(
-        self, r: Replica, demand: Mapping[str, core.RouterLoad | None], now: float
+        self, r: Replica, demand: Mapping[str, core.RouterLoad], now: float
     ) -> core.ReplicaAdapters:
-        held = r.shard.adapters if r.engine == "llama-server" else self._runtime.get(r.replica_id)
-        hidden = self._hidden.get(r.replica_id, set())
-        held = tuple(a for a in held or () if a not in hidden)
+        held = self._remaining(r.replica_id, r.shard)
         loading = self._loading.get(r.replica_id)
         views = []
         for name in held:
@@ -403,7 +401,7 @@ class AdapterManager:
         the router retries elsewhere)."""
         with trio.move_on_after(self.drain_s):
             while True:
-                d = self._demand(evict)
+                d = self._demand((evict,)).get(evict)
                 if self._in_flight(r.endpoint_id) is not None and (d is None or not d.in_flight):
                     return
                 await trio.sleep(0.05)

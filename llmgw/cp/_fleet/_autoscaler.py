@@ -31,7 +31,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import attrs
@@ -189,18 +189,23 @@ class Autoscaler:
         samples = self._samples.get(name)
         return samples[-1].queued if samples else None
 
-    def demand(self, name: str) -> core.RouterLoad | None:
-        """What the routers hold of served name `name` now (queued, in flight, last use):
-        this control plane's own routers read now, plus the other control planes' as
-        their rows said at the last step (never this one's own as sampled then: a
-        request answered since would still look queued); None: no router reports it.
-        Read by the adapter manager (llmgw/cp/_fleet/_adapters.py), for which this runs
-        with adapters too."""
-        parts = [models[name] for models in self._loads().values() if name in models]
-        theirs = self._others_by_name.get(name)
-        if theirs is not None:
-            parts.append(theirs)
-        return core.merge_loads(parts) if parts else None
+    def demand(self, names: Iterable[str]) -> dict[str, core.RouterLoad]:
+        """What the routers hold of each served name in `names` now (queued, in flight,
+        last use): this control plane's own routers read now (once, for all of them),
+        plus the other control planes' as their rows said at the last step (never this
+        one's own as sampled then: a request answered since would still look queued); a
+        name no router reports is left out. Read by the adapter manager
+        (llmgw/cp/_fleet/_adapters.py), for which this runs with adapters too."""
+        own = self._loads().values()
+        out = {}
+        for name in names:
+            parts = [models[name] for models in own if name in models]
+            theirs = self._others_by_name.get(name)
+            if theirs is not None:
+                parts.append(theirs)
+            if parts:
+                out[name] = core.merge_loads(parts)
+        return out
 
     def lower(self, name: str, fewer: int, why: str) -> None:
         """A higher priority takes `fewer` of `name`'s replicas (never below its min)."""

@@ -57,7 +57,8 @@ def shard_specs(
         taken.setdefault(host, set()).add(port)
         by_index = {g.index: g for g in rec.inventory.gpus or ()}
         cards = tuple(by_index[i] for i in r.gpu_indexes)
-        eprofile = engine_profile(m, profile, gpu_memory_fraction=_fraction(profile, cards, r))
+        share = _fraction(profile, cards, r.memory_mib)
+        eprofile = engine_profile(m, profile, gpu_memory_fraction=share)
         if r.mig_uuids:  # the instances stand for their cards (CUDA_VISIBLE_DEVICES)
             cards = tuple(attrs.evolve(g, uuid=u) for g, u in zip(cards, r.mig_uuids, strict=True))
         assignment = engines.Assignment(
@@ -86,11 +87,11 @@ def shard_specs(
 
 
 def _fraction(
-    profile: Profile, cards: tuple[model.Gpu, ...], r: core.RankPlacement
+    profile: Profile, cards: tuple[model.Gpu, ...], memory_mib: int | None
 ) -> float | None:
     """A share's fraction of its card for the engine (the smallest card's, if several:
     the engine takes the same fraction of each); None: whole cards or a MIG instance."""
-    if r.memory_mib is None or profile.gpu_memory_gib is None or not cards:
+    if memory_mib is None or profile.gpu_memory_gib is None or not cards:
         return None
     totals = [g.memory_total_mib for g in cards if g.memory_total_mib]
     if len(totals) != len(cards):
@@ -114,19 +115,15 @@ def relaunch_spec(
     missing = [u for u in shard.gpus if u not in by_uuid]
     if missing:
         raise ValueError(f"node {record.node_id} no longer lists card(s) {', '.join(missing)}")
+    cards = tuple(by_uuid[u] for u in shard.gpus)
     assignment = engines.Assignment(
         rank=0,
         node_addresses=(record.host,),
-        gpus=tuple(by_uuid[u] for u in shard.gpus),
+        gpus=cards,
         port=shard.port,
         rendezvous_port=shard.port,  # one node: nothing meets there
     )
-    share = None
-    if shard.gpu_memory_mib is not None and profile.gpu_memory_gib is not None:
-        totals = [by_uuid[u].memory_total_mib or 0 for u in shard.gpus]
-        share = (
-            engines.memory_fraction(profile.gpu_memory_gib, min(totals)) if all(totals) else None
-        )
+    share = _fraction(profile, cards, shard.gpu_memory_mib)
     eprofile = attrs.evolve(
         engine_profile(m, profile, gpu_memory_fraction=share),
         adapters=tuple(engines.LaunchAdapter(name, source) for name, source in adapters),
