@@ -29,6 +29,9 @@ components:
 # The test files run in parallel, a file per worker at a time (most of the suite's time
 # is spent waiting on real processes, not on the CPU): PYTEST_WORKERS=0 runs them in one.
 # The slowest tests are printed at the end, so a run says where its minutes went.
+# --no-loadscope-reorder keeps the files in the order tests/conftest.py gives them (the
+# longest first): xdist otherwise hands out the files with the most tests first, and
+# the three longest files, a test each, started last and ran a minute past the rest.
 PYTEST_WORKERS ?= 4
 # Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE):
 # every worker and every llmgw process a test starts would compile llmgw and rewrite
@@ -36,7 +39,7 @@ PYTEST_WORKERS ?= 4
 # (the runbook, dist, onboarding, engine installs) are not byte-compiled at install by
 # pip (PIP_NO_COMPILE): what runs compiles what it imports (runbook: 9 s of CPU less).
 test: lint components
-	env -u PYTHONDONTWRITEBYTECODE PIP_NO_COMPILE=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
+	env -u PYTHONDONTWRITEBYTECODE PIP_NO_COMPILE=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The release a node installs from its control plane's mirror (docs/operations.md,
 # "Releases and the mirror"): dist/ holds the wheel, wheelhouse/, constraints.txt,

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +214,10 @@ def main() -> int:
             elapsed = time.monotonic() - began
             yes1, no1 = found_loaded(metrics)
             loads1 = loads()
+            holders = {
+                r["name"]: sorted(h["replica"] for h in r["held_by"])
+                for r in cluster.first.api_get("/api/v1/adapters")["adapters"]
+            }
         finally:
             cluster.stop_all()
 
@@ -237,6 +241,14 @@ def main() -> int:
           f"adapter-blind routing on the same sequence: {blind_measured:.1%} "
           f"({blind:.1%} over the whole run)")  # fmt: skip
     print(f"  loads per minute: {per_min:.1f}")
+    asked = Counter(m for _, m, _ in measured.rows)
+    by_replica: Counter[str] = Counter()
+    for name, n in asked.items():
+        for replica in holders.get(name) or ["(none)"]:
+            by_replica[replica] += n / max(1, len(holders.get(name) or ["(none)"]))
+    for replica, n in sorted(by_replica.items()):
+        held = ", ".join(a for a, rs in sorted(holders.items()) if replica in rs)
+        print(f"  {replica}: {n / max(1, len(measured.rows)):.1%} of the requests ({held})")
     print(f"  throughput: {rate:.2f} requests/s = {rate / base_rate:.2f}x the base alone "
           f"(goal >= 0.9x)")  # fmt: skip
     print(f"failed requests: {failed}")

@@ -240,11 +240,23 @@ def check(target: Target, text: str) -> None:
         target.parse(text)
 
 
-def check_prefixes(target: Target) -> int:
-    """Every seed cut at every length; returns how many inputs were tried."""
+def cuts(seed: str, every: int = 1) -> list[int]:
+    """The lengths a seed is cut at: every `every`-th one, and always each line's end
+    with a character either side of it (the parsers read lines: a cut there ends a
+    line, or the text, where a parser looks next)."""
+    at = set(range(0, len(seed) + 1, every)) | {len(seed)}
+    for i, ch in enumerate(seed):
+        if ch == "\n":
+            at |= {i - 1, i, i + 1, i + 2}
+    return sorted(n for n in at if 0 <= n <= len(seed))
+
+
+def check_prefixes(target: Target, *, every: int = 1) -> int:
+    """Each seed cut at the lengths of `cuts` (every length when `every` is 1); returns
+    how many inputs were tried."""
     n = 0
     for seed in target.seeds:
-        for i in range(len(seed) + 1):
+        for i in cuts(seed, every):
             check(target, seed[:i])
             n += 1
     return n
