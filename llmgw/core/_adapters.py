@@ -11,7 +11,8 @@ What the shell feeds in
     `--max-loras` or the like, from the profile), the adapters it holds with the
     clock value of their last use and the requests using them now (`HeldAdapter`),
     the adapters it is loading now (`loading`), and its request count for the bound
-    (`load`: what llmgw/core/_scoring.py's `load` counts, own plus known external).
+    (`load`: what llmgw/core/_scoring.py's `load` counts, own plus known external),
+    and what its adapters draw (`demand`: requests in flight on them, averaged).
     What a replica holds comes from what its engine lists (the agent's report), with
     the shell's own loads and evictions applied as it makes them.
 
@@ -30,9 +31,12 @@ What it answers (`AdapterPlan.action`), in this order of preference
            evicting `evict` when it is full. The replica is within the bound if
            one can load it (the bound prefers, never refuses, as in _scoring),
            then one with a free slot before one that must evict (no churn while a
-           slot is free), then the least loaded, then the one whose victim was used
-           longest ago, then the smallest id. The victim is that replica's least
-           recently used adapter with no request in flight (ties by name).
+           slot is free), then the one whose adapters draw the least (`demand`: so
+           the popular ones spread over the replicas, and a replica busy loading one
+           is not picked again while another is idle), then the least loaded, then
+           the one whose victim was used longest ago, then the smallest id. The
+           victim is that replica's least recently used adapter with no request in
+           flight (ties by name).
     wait   Nothing can take it now: no replica is ready, or every replica is full
            of adapters with requests in flight (or being loaded), or takes none.
            The shell waits for a request of the base to finish or a load to end and
@@ -114,6 +118,11 @@ class ReplicaAdapters:
     held: tuple[HeldAdapter, ...] = attrs.field(default=(), converter=_held)
     loading: tuple[str, ...] = attrs.field(default=(), converter=_names)
     load: float = attrs.field(default=0.0, validator=_load)  # requests, for the bound
+    # The requests its adapters draw, held and loading: in flight on them averaged over
+    # the last while, and those waiting for one it loads (the shell's measure). A load
+    # goes where this is least, so popular adapters spread over the replicas rather than
+    # piling onto the first one (one replica's engine then serves most of the traffic).
+    demand: float = attrs.field(default=0.0, validator=_load)
 
     def __attrs_post_init__(self) -> None:
         names = [h.name for h in self.held]
@@ -287,9 +296,12 @@ def plan_adapter(
         )
     able = [(r, v) for r in rs if not r.holds(adapter) for v in _room(r)]
 
-    def key(o: tuple[ReplicaAdapters, HeldAdapter | None]) -> tuple[bool, bool, float, float, str]:
+    def key(
+        o: tuple[ReplicaAdapters, HeldAdapter | None],
+    ) -> tuple[bool, bool, float, float, float, str]:
         r, v = o
-        return (not within(r), v is not None, r.load, v.last_used if v else 0.0, r.replica_id)
+        used = v.last_used if v else 0.0
+        return (not within(r), v is not None, r.demand, r.load, used, r.replica_id)
 
     best = min(able, key=key) if able else None
     if best is not None and (within(best[0]) or not holders):
@@ -342,7 +354,8 @@ def _load_words(
         why += f", over {bound}"
     else:
         why = f"no replica of {base} holds {adapter}"
-    where = f"{r.replica_id} ({_requests(r.load)}, {'within' if within else 'over'} {bound})"
+    where = f"{r.replica_id} ({_requests(r.load)}, {'within' if within else 'over'} {bound}"
+    where += f"; its adapters draw {r.demand:.3g})"
     if victim is None:
         room = f"a free slot ({r.used} of {r.max_adapters} taken)"
     else:

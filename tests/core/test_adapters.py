@@ -34,8 +34,10 @@ ADAPTERS = [f"a{i}" for i in range(6)]
 BASE = "qwen-7b"
 
 
-def R(rid: str, most: int, held=(), loading=(), load: float = 0.0) -> ReplicaAdapters:
-    return ReplicaAdapters(rid, most, [HeldAdapter(*h) for h in held], loading, load)
+def R(
+    rid: str, most: int, held=(), loading=(), load: float = 0.0, demand: float = 0.0
+) -> ReplicaAdapters:
+    return ReplicaAdapters(rid, most, [HeldAdapter(*h) for h in held], loading, load, demand)
 
 
 @st.composite
@@ -53,7 +55,9 @@ def replica(draw, rid: str, *, least: int = 0) -> ReplicaAdapters:
         for name in names[:n_held]
     ]
     loading = names[n_held : n_held + n_loading]
-    return ReplicaAdapters(rid, most, held, loading, float(draw(st.integers(0, 8))))
+    load = float(draw(st.integers(0, 8)))
+    demand = draw(st.sampled_from([0.0, 0.5, 2.0, 6.0]))  # few values: ties happen
+    return ReplicaAdapters(rid, most, held, loading, load, demand)
 
 
 @st.composite
@@ -134,6 +138,17 @@ def test_a_plan_keeps_every_invariant(rs, adapter, epsilon) -> None:
             assert plan.evict == victim.name  # least recently used of the evictable
             assert all(h.in_flight == 0 for h in chosen.held if h.name == plan.evict)
         assert (plan.evict is None) == (chosen.used < chosen.max_adapters)
+        # Among the replicas as able (as much within the bound, as free), the one whose
+        # adapters draw the least, then the least loaded.
+        alike = [
+            r
+            for r in rs
+            if not r.holds(adapter)
+            and room(r)
+            and (r.load + 1 <= cap) == (chosen.load + 1 <= cap)
+            and (r.used < r.max_adapters) == (chosen.used < chosen.max_adapters)
+        ]
+        assert (chosen.demand, chosen.load) == min((r.demand, r.load) for r in alike)
     else:
         assert plan.replica_id is None and plan.choices == ()
         assert not holders and not loading
@@ -292,8 +307,8 @@ def test_a_full_replica_evicts_its_least_recently_used_idle_adapter() -> None:
     assert (plan.action, plan.replica_id, plan.evict) == ("load", "r2", "mid")
     assert plan.reason == (
         "no replica of qwen-7b holds sql; loading it on r2 (1 request, within the bound "
-        "of 2 requests): all 3 slots taken: evicting mid (last used 97 s ago, no request "
-        "in flight)"
+        "of 2 requests; its adapters draw 0): all 3 slots taken: evicting mid (last used "
+        "97 s ago, no request in flight)"
     )
     after = rs[1].load_started("sql", "mid")
     assert [h.name for h in after.held] == ["new", "old"] and after.loading == ("sql",)
@@ -305,6 +320,21 @@ def test_a_free_slot_is_taken_before_an_eviction_even_on_a_busier_replica() -> N
     plan = plan_adapter("sql", rs, 10.0, base=BASE)
     assert (plan.action, plan.replica_id, plan.evict) == ("load", "r2", None)
     assert plan.reason.endswith("a free slot (1 of 2 taken)")
+
+
+def test_a_load_goes_where_the_adapters_draw_least_before_the_least_loaded() -> None:
+    # r1 holds the popular adapter (6 requests on average) and has none in flight this
+    # instant; r2's adapters draw 0.5. A load goes to r2: the momentary count would put
+    # every load on the replica that happens to be idle as the plan runs.
+    rs = [R("r1", 4, [("hot", 1.0)], load=0, demand=6.0), R("r2", 4, [("cold", 1.0)], load=1,
+          demand=0.5)]  # fmt: skip
+    plan = plan_adapter("sql", rs, 10.0, base=BASE)
+    assert (plan.action, plan.replica_id, plan.evict) == ("load", "r2", None)
+    assert "r2 (1 request, within the bound of 2 requests; its adapters draw 0.5)" in plan.reason
+    # and a replica loading an adapter that many wait for draws them: the next load
+    # goes to the other one rather than waiting behind it.
+    busy = [R("r1", 4, loading=["hot"], demand=6.0), R("r2", 4)]
+    assert plan_adapter("sql", busy, 10.0, base=BASE).replica_id == "r2"
 
 
 def test_a_hot_adapter_is_loaded_on_a_second_replica_past_the_bound() -> None:

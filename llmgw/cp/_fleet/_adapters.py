@@ -14,10 +14,14 @@ When an adapter is loaded
     of every control plane). A request for an adapter no replica holds waits in its
     router (the adapter's hold, llmgw/router/_holds.py), and that is the demand: the
     pure plan (llmgw/core/_adapters.py `plan_adapter`) picks the replica that loads it
-    (the least loaded under the load bound, a free slot before an eviction, the least
-    recently used adapter with no request in flight as the victim) or joins a load in
-    flight. One load at a time per replica, and of an adapter per base: twenty waiting
-    requests cause one load. The routers' in-flight count of an adapter is over all
+    (under the load bound, a free slot before an eviction, then the replica whose
+    adapters draw the least, then the least loaded; the least recently used adapter
+    with no request in flight as the victim) or joins a load in flight. What an
+    adapter draws is its requests, in flight and waiting, averaged over about
+    `DRAW_S` (split evenly over the replicas that hold it): so the popular adapters
+    spread over the replicas instead of piling onto the one that loaded first. One
+    load at a time per replica, and of an adapter per base: twenty waiting requests
+    cause one load. The routers' in-flight count of an adapter is over all
     its replicas, so an adapter with a request in flight anywhere is evicted nowhere.
 
 How a load is done
@@ -39,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -55,6 +60,7 @@ from llmgw.errors import LlmgwError
 
 log = logging.getLogger("llmgw.cp.adapters")
 
+DRAW_S = 30.0  # the time constant of an adapter's average draw
 LEARN_EVERY_S = 5.0  # an engine whose listing said nothing is asked again after this
 ADAPTER_LOADED = "adapter_loaded"  # the event kinds
 ADAPTER_EVICTED = "adapter_evicted"
@@ -149,6 +155,9 @@ class AdapterManager:
         self._hidden: dict[str, set[str]] = {}  # replica id -> adapters being evicted
         # adapter -> wall clock of its last request (the routers'), or of its last load
         self._last_used: dict[str, float] = {}
+        # adapter -> its requests (in flight and waiting) averaged over about DRAW_S
+        self._draw: dict[str, float] = {}
+        self._drawn_at: float | None = None
         self.counts: dict[str, AdapterCounts] = {}
         self._nursery: trio.Nursery | None = None
 
@@ -285,6 +294,7 @@ class AdapterManager:
         catalog = self._catalog()
         adapters = catalog.adapters
         demand = self._demand(a.name for a in adapters)
+        self._average(demand, now)
         for name, d in demand.items():
             used = d.last_used
             if d.queued or d.in_flight:
@@ -303,7 +313,10 @@ class AdapterManager:
             # it waits for that load, rather than evicting elsewhere.
             replicas = {r.replica_id: r for r in self._replicas(catalog, m)}
             replicas |= {rid: r for rid, r in self._jobs.items() if r.model_name == m.name}
-            views = [self._view(r, demand, now) for r in replicas.values()]
+            copies = Counter(
+                name for r in replicas.values() for name in self._remaining(r.replica_id, r.shard)
+            )
+            views = [self._view(r, demand, copies, now) for r in replicas.values()]
             plan = core.plan_adapter(a.name, views, now, base=m.name)
             if plan.action != "load" or plan.replica_id is None:
                 continue
@@ -323,11 +336,35 @@ class AdapterManager:
             assert self._nursery is not None
             self._nursery.start_soon(self._load, r, a.name, a.source, plan.evict)
 
+    def _average(self, demand: Mapping[str, core.RouterLoad], now: float) -> None:
+        """Move each adapter's average draw toward its requests now (in flight and
+        waiting; an adapter no router reports draws 0). The first reading is taken
+        whole, so a cold start has figures at once."""
+        dt = 0.0 if self._drawn_at is None else max(0.0, now - self._drawn_at)
+        self._drawn_at = now
+        weight = 1.0 - math.exp(-dt / DRAW_S)
+        for a in self._catalog().adapters:
+            d = demand.get(a.name)
+            sample = 0.0 if d is None else float(d.in_flight + d.queued)
+            before = self._draw.get(a.name)
+            self._draw[a.name] = sample if before is None else before + weight * (sample - before)
+
+    def draw(self, adapter: str) -> float | None:
+        """The adapter's average requests, in flight and waiting; None: not read yet."""
+        return self._draw.get(adapter)
+
     def _view(
-        self, r: Replica, demand: Mapping[str, core.RouterLoad], now: float
+        self,
+        r: Replica,
+        demand: Mapping[str, core.RouterLoad],
+        copies: Mapping[str, int],
+        now: float,
     ) -> core.ReplicaAdapters:
         held = self._remaining(r.replica_id, r.shard)
         loading = self._loading.get(r.replica_id)
+        draws = [self._draw.get(n, 0.0) / max(1, copies.get(n, 1)) for n in held if n != loading]
+        if loading is not None:
+            draws.append(self._draw.get(loading, 0.0))
         views = []
         for name in held:
             d = demand.get(name)
@@ -344,6 +381,7 @@ class AdapterManager:
             [h for h in views if h.name != loading],
             () if loading is None or loading in held else (loading,),
             float(self._in_flight(r.endpoint_id) or 0),
+            sum(draws),
         )
 
     async def _load(self, r: Replica, adapter: str, source: str, evict: str | None) -> None:
