@@ -39,12 +39,13 @@ MAX_TOKENS = 300
 CUT_AFTER = 5  # text chunks the client reads before the engine is killed
 
 
-def wide_model(tmp: Path) -> Path:
+def wide_model(tmp: Path, n_embd: int = 512) -> Path:
     """The tiny model made wide enough to write about 200 tokens a second here (one
-    thread): an answer of MAX_TOKENS takes over a second, so the kill lands while the
-    engine is still generating it (the default tiny model writes 3,000 a second, and an
-    engine that has written its whole answer to the socket before it dies cuts nothing)."""
-    return tiny_gguf.write(tmp / "wide.gguf", n_embd=512, n_layer=4, n_ff=1024)
+    thread; 370 on an idle machine): an answer of MAX_TOKENS takes about a second, so
+    the kill lands while the engine is still generating it (the default tiny model
+    writes 3,000 a second, and an engine that has written its whole answer to the
+    socket before it dies cuts nothing). `n_embd` 1024 writes about 130 a second idle."""
+    return tiny_gguf.write(tmp / "wide.gguf", n_embd=n_embd, n_layer=4, n_ff=2 * n_embd)
 
 
 class Engine:
@@ -270,7 +271,10 @@ def test_through_the_fleet_a_killed_replicas_stream_is_continued_on_the_other(
     """The same through llmgw-cp (its router, its endpoints from the fleet) and two agents,
     two llama-server replicas, the serving engine killed with SIGKILL."""
     binary = llama_server_binary()
-    model = wide_model(tmp_path)
+    # Wider still: before the kill the test scrapes the control plane's metrics for the
+    # serving endpoint, which takes a while on a busy machine; at 370 tokens a second
+    # the answer was once over before the scrape came back (no endpoint in flight).
+    model = wide_model(tmp_path, n_embd=1024)
     profile = {
         "engine": "llama-server",
         "gpus_per_node": 0,
