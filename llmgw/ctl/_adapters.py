@@ -41,8 +41,8 @@ def show(args: argparse.Namespace) -> int:
 
 
 def format_adapters(rows: list[dict[str, Any]], *, now: float) -> str:
-    header = ("ADAPTER", "BASE", "LOADED ON", "LOADING", "QUEUED", "IN FLIGHT", "LAST USED",
-              "LOADS", "EVICTIONS", "FAILURES")  # fmt: skip
+    header = ("ADAPTER", "BASE", "LOADED ON", "LOADING", "QUEUED", "IN FLIGHT", "DRAW",
+              "LAST USED", "LOADS", "EVICTIONS", "FAILURES")  # fmt: skip
     lines = []
     errors = []
     for r in rows:
@@ -56,6 +56,7 @@ def format_adapters(rows: list[dict[str, Any]], *, now: float) -> str:
                 ", ".join(r["loading_on"]) or "-",
                 num(r["queued"]),
                 num(r["in_flight"]),
+                "-" if r.get("draw") is None else f"{r['draw']:.1f}",
                 "-" if last is None else f"{age(now - last)} ago",
                 str(r["loads"]),
                 str(r["evictions"]),

@@ -158,6 +158,7 @@ def test_adapters_load_on_demand_evict_lru_and_are_routed_by_name(
     assert tuned != base
     sql = adapters(cluster)["sql"]
     assert sql["loads"] == 1 and sql["failures"] == 0, sql
+    assert sql["draw"] > 0, sql  # the burst's requests, averaged: what loads spread by
     assert [h["node"] for h in sql["held_by"]] == ["a1"]
     # Fetched once from the mirror, into the node's weights cache.
     fetched = re.compile(r"llmgw\.cp\.mirror: GET '/adapters/sql\.gguf' (200|206) ")
@@ -180,7 +181,7 @@ def test_adapters_load_on_demand_evict_lru_and_are_routed_by_name(
     assert rows["sql"]["evictions"] == 0 and rows["sql"]["held_by"], rows
     assert chat(client, "sql") == tuned and chat(client, "tiny") == base
     table = cluster.ctl("adapters").stdout
-    assert "support" in table and "EVICTIONS" in table
+    assert "support" in table and "EVICTIONS" in table and "DRAW" in table
 
     # 4. team-b may not use poet: 403 in the API's shape.
     r = httpx.post(

@@ -25,6 +25,7 @@ def adapter_json(s: AdapterStatus) -> dict[str, Any]:
         "loading_on": list(s.loading_on),
         "queued": s.queued,  # null: no router reports it
         "in_flight": s.in_flight,
+        "draw": s.draw,  # queued + in flight averaged over ~30 s; null: not read (a standby)
         "last_used": c.last_used,  # unix time; null: not used under this leader
         "loads": c.loads,
         "evictions": c.evictions,

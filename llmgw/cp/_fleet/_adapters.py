@@ -116,6 +116,7 @@ class AdapterStatus:
     queued: int | None  # requests waiting in the routers; None: no reading
     in_flight: int | None
     counts: AdapterCounts
+    draw: float | None = None  # queued + in flight, averaged (DRAW_S); None: not read yet
 
 
 class AdapterManager:
@@ -212,6 +213,7 @@ class AdapterManager:
                     None if d is None else d.queued,
                     None if d is None else d.in_flight,
                     self.counts.get(a.name) or AdapterCounts(),
+                    self._draw.get(a.name),
                 )
             )
         return out
