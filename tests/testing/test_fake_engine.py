@@ -356,8 +356,9 @@ async def test_tokens_hang_on_request_while_health_and_metrics_answer() -> None:
         with pytest.raises(httpx.ReadTimeout):
             await e.client.post(e.url + "/v1/completions", json={"model": "m", "prompt": "x"},
                                 timeout=0.5)  # fmt: skip
+        body = {"model": "m", "prompt": "x", "stream": True}
         async with e.client.stream(
-            "POST", e.url + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+            "POST", e.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5)
         ) as streamed:
             assert streamed.status_code == 200  # the head came, no token follows
             with pytest.raises(httpx.ReadTimeout):
