@@ -921,6 +921,26 @@ SMALL_SHARES: dict[str, Any] = {
 }
 
 
+# The recorded MIG-enabled H100 (tests/data/INDEX.md): its -L and -q captures, and the
+# bus id the -q capture describes.
+MIG_SMI_L = FIXTURES / "smil-h100-mig-4migdevs-drv590.txt"
+MIG_SMI_Q = FIXTURES / "q-h100-mig-enabled-4migdevs-load-drv590.txt"
+MIG_BUS = "00000000:00:09.0"
+
+
+def mig_agent_env(bin_dir: Path, **more: str) -> dict[str, str]:
+    """An agent's environment whose nvidia-smi (the fake, installed in `bin_dir`) answers
+    the recorded MIG-enabled H100; `more` adds fake settings."""
+    return {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "LLMGW_FAKE_GPUS": "1xh100-80g",
+        "LLMGW_FAKE_SMI_L_FILE": str(MIG_SMI_L),
+        "LLMGW_FAKE_SMI_Q_FILE": str(MIG_SMI_Q),
+        "LLMGW_FAKE_SMI_BUS_IDS": MIG_BUS,
+        **more,
+    }
+
+
 def start_shared_cards(
     cluster: Any, tmp_path: Path, *more_models: dict[str, Any], timeout: float = 60
 ) -> tuple[Path, list[dict[str, Any]]]:

@@ -6,18 +6,13 @@ tests/data/INDEX.md). The instances reach the control plane as recorded and
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import httpx
+from helpers import mig_agent_env
 
 from llmgw.testing import fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for
-from tests.helpers import FIXTURES
-
-SMI_L = FIXTURES / "smil-h100-mig-4migdevs-drv590.txt"
-SMI_Q = FIXTURES / "q-h100-mig-enabled-4migdevs-load-drv590.txt"
-RECORDED_BUS = "00000000:00:09.0"  # the card the -q recording describes
 
 
 def test_mig_instances_reach_the_control_plane(cluster: LocalCluster, tmp_path: Path) -> None:
@@ -26,15 +21,7 @@ def test_mig_instances_reach_the_control_plane(cluster: LocalCluster, tmp_path: 
     cluster.setup(["mig-1"])
     cluster.start_cp()
     cluster.start_agent(
-        "mig-1",
-        env={
-            "PATH": f"{bin_dir}:{os.environ['PATH']}",
-            "LLMGW_FAKE_GPUS": "1xh100-80g",
-            "LLMGW_FAKE_SMI_L_FILE": str(SMI_L),
-            "LLMGW_FAKE_SMI_Q_FILE": str(SMI_Q),
-            "LLMGW_FAKE_SMI_BUS_IDS": RECORDED_BUS,
-            "LLMGW_FAKE_SMI_MIG_PENDING": "0:Disabled",
-        },
+        "mig-1", env=mig_agent_env(bin_dir, LLMGW_FAKE_SMI_MIG_PENDING="0:Disabled")
     )
     wait_for("mig-1 ready", lambda: cluster.states().get("mig-1") == "ready", 30)
     node = json.loads(cluster.ctl("nodes", "--json").stdout)

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import FIXTURES, llama_server_binary, start_shared_cards
+from helpers import llama_server_binary, mig_agent_env, start_shared_cards
 
 from llmgw.testing import fake_engine, fake_nvidia_smi
 from llmgw.testing.cluster import LocalCluster, wait_for
@@ -140,16 +140,7 @@ def test_a_mig_profile_takes_an_instance_and_a_whole_card_profile_is_refused_the
     cluster.setup(["mig-1"])
     cluster.write_agent_config("mig-1", engine_paths={"vllm": str(bin_dir / "vllm")})
     cluster.start_cp()
-    cluster.start_agent(
-        "mig-1",
-        env={
-            "PATH": f"{bin_dir}:{os.environ['PATH']}",
-            "LLMGW_FAKE_GPUS": "1xh100-80g",
-            "LLMGW_FAKE_SMI_L_FILE": str(FIXTURES / "smil-h100-mig-4migdevs-drv590.txt"),
-            "LLMGW_FAKE_SMI_Q_FILE": str(FIXTURES / "q-h100-mig-enabled-4migdevs-load-drv590.txt"),
-            "LLMGW_FAKE_SMI_BUS_IDS": "00000000:00:09.0",
-        },
-    )
+    cluster.start_agent("mig-1", env=mig_agent_env(bin_dir))
 
     def two_ready() -> list[dict[str, Any]] | None:
         shards = [s for n in cluster.nodes().values() for s in n["shards"]]
