@@ -53,19 +53,17 @@ from ._mounts import (
 from ._nvml import NvmlLoader, NvmlReading, NvmlUnavailable, load_pynvml, read_nvml
 from ._probe import (
     GpuProbe,
-    UsageSampler,
     collect_inventory,
-    collect_usage,
     probe_engines,
     probe_filesystems,
     probe_gpus,
     probe_host,
-    process_tree,
     read_cpu,
     read_memory,
     read_mounts,
     read_os_release,
 )
+from ._procs import process_tree
 from ._report import format_inventory, inventory_to_json
 from ._runner import Runner, RunResult, SubprocessRunner
 from ._smi import (
@@ -83,6 +81,7 @@ from ._smi import (
 )
 from ._smi_q import MemoryErrors, parse_smi_q_memory
 from ._topo import GpuAffinity, TopoMatrix, parse_topo
+from ._usage import UsageSampler, collect_usage
 from ._weights_scan import complete_entry, scan_weights
 
 __all__ = [

@@ -16,13 +16,11 @@ import logging
 import os
 import platform
 import socket
-import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import attrs
-import psutil
 
 from llmgw.errors import ParseError
 from llmgw.host.os_release import OsRelease, parse_os_release
@@ -36,7 +34,6 @@ from llmgw.model import (
     IbAdapter,
     Inventory,
     NvLink,
-    ShardUsage,
     Topology,
     Usage,
 )
@@ -46,7 +43,6 @@ from ._host import (
     CpuTimes,
     LoadAvg,
     MemInfo,
-    cpu_util_pct,
     cpu_warnings,
     parse_cpuinfo,
     parse_loadavg,
@@ -68,6 +64,7 @@ from ._mig import (
 )
 from ._mounts import Mount, is_shared_fstype, parse_mountinfo
 from ._nvml import NvmlLoader, NvmlUnavailable, load_pynvml, read_nvml
+from ._procs import process_tree
 from ._runner import Runner, RunResult, SubprocessRunner
 from ._smi import (
     COMPUTE_APPS_FIELDS,
@@ -584,10 +581,10 @@ def probe_engines(
     return Engines(found=tuple(sorted(found, key=lambda e: e.name)))
 
 
-# --- Usage -----------------------------------------------------------------------------------
+# --- Usage as the inventory carries it -----------------------------------------------------
 
 
-def _gpu_usage(gpus: tuple[Gpu, ...] | None) -> tuple[GpuUsage, ...]:
+def gpu_usage(gpus: tuple[Gpu, ...] | None) -> tuple[GpuUsage, ...]:
     return tuple(
         GpuUsage(
             index=g.index,
@@ -598,171 +595,6 @@ def _gpu_usage(gpus: tuple[Gpu, ...] | None) -> tuple[GpuUsage, ...]:
         )
         for g in gpus or ()
     )
-
-
-@attrs.frozen
-class _ProcSample:
-    create_time: float
-    cpu_s: float
-
-
-class UsageSampler:
-    """What changes between heartbeats. Keep one per agent: rates (CPU
-    utilisation, cores per shard) are differences between two samples, so the
-    first sample leaves them unknown."""
-
-    def __init__(
-        self,
-        *,
-        root: Path = Path("/"),
-        runner: Runner | None = None,
-        dirs: Sequence[str | Path] = (),
-        nvml: NvmlLoader | None = load_pynvml,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.root = root
-        self.runner: Runner = runner if runner is not None else SubprocessRunner()
-        self.dirs = tuple(dirs)
-        self.nvml = nvml
-        self._clock = clock
-        self._cpu: CpuTimes | None = None
-        self._procs: dict[int, _ProcSample] = {}
-        self._procs_at: tuple[float, float] | None = None  # (monotonic, wall)
-        self.samples = 0
-
-    def __repr__(self) -> str:
-        return f"<UsageSampler root={self.root} dirs={len(self.dirs)} samples={self.samples}>"
-
-    def sample(
-        self,
-        *,
-        shards: Mapping[str, Collection[int]] | None = None,
-        llmgw_pids: Collection[int] = (),
-        gpus: bool = True,
-    ) -> Usage:
-        mem = read_memory(self.root)
-        load = read_loadavg(self.root)
-        cpu = read_cpu_times(self.root)
-        util = cpu_util_pct(self._cpu, cpu) if self._cpu is not None and cpu is not None else None
-        self._cpu = cpu
-        gpu_usage: tuple[GpuUsage, ...] = ()
-        apps: tuple[ComputeApp, ...] | None = None
-        if gpus:
-            probe = probe_gpus(self.runner, nvml=self.nvml, llmgw_pids=llmgw_pids, topology=False)
-            gpu_usage = _gpu_usage(probe.gpus)
-            apps = probe.apps if probe.gpus else None
-        shard_usage = self._shards(shards or {}, apps)
-        self.samples += 1
-        return Usage(
-            memory_total_bytes=mem.total_bytes if mem else None,
-            memory_available_bytes=mem.available_bytes if mem else None,
-            load1=load.load1 if load else None,
-            load5=load.load5 if load else None,
-            load15=load.load15 if load else None,
-            cpu_util_pct=util,
-            gpus=gpu_usage,
-            filesystems=probe_filesystems(self.dirs, read_mounts(self.root)),
-            shards=shard_usage,
-        )
-
-    def _shards(
-        self, shards: Mapping[str, Collection[int]], apps: tuple[ComputeApp, ...] | None = None
-    ) -> tuple[ShardUsage, ...]:
-        """Each shard's process group: its CPU, RSS and GPU memory (`apps`: the GPU
-        probe's reading of who holds what; None: not read, so the GPU memory unknown)."""
-        now, wall = self._clock(), time.time()
-        before, before_at = self._procs, self._procs_at
-        seen: dict[int, _ProcSample] = {}
-        result: list[ShardUsage] = []
-        for shard_id, pids in shards.items():
-            rss = 0
-            delta = 0.0
-            alive = 0
-            group = _process_group(pids)
-            for proc in group:
-                try:
-                    with proc.oneshot():
-                        times = proc.cpu_times()
-                        sample = _ProcSample(proc.create_time(), times.user + times.system)
-                        rss += proc.memory_info().rss
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-                alive += 1
-                seen[proc.pid] = sample
-                prev = before.get(proc.pid)
-                if prev is not None and prev.create_time == sample.create_time:
-                    delta += max(0.0, sample.cpu_s - prev.cpu_s)
-                elif before_at is not None and sample.create_time >= before_at[1]:
-                    delta += sample.cpu_s  # started since the last sample
-            cores = None
-            if alive and before_at is not None and now > before_at[0]:
-                cores = delta / (now - before_at[0])
-            held = shard_gpu_memory_mib(apps, {p.pid for p in group}) if alive else None
-            rss_known = rss if alive else None
-            result.append(ShardUsage(shard_id, cores, rss_known, held))
-        self._procs, self._procs_at = seen, (now, wall)
-        return tuple(result)
-
-
-def shard_gpu_memory_mib(apps: Iterable[ComputeApp] | None, group: Collection[int]) -> int | None:
-    """What a shard's process group holds on the card where it holds most: its processes'
-    memory summed per card (its claim is per card too). 0: the reading answered and listed
-    none of them; None: not read, or one of its processes' sizes not reported."""
-    if apps is None:
-        return None
-    per_card: dict[str, int | None] = {}
-    for app in apps:
-        if app.pid not in group:
-            continue
-        held = per_card.get(app.gpu_uuid, 0)
-        if held is None or app.used_memory_mib is None:
-            per_card[app.gpu_uuid] = None
-        else:
-            per_card[app.gpu_uuid] = held + app.used_memory_mib
-    if None in per_card.values():
-        return None
-    return max((v for v in per_card.values() if v is not None), default=0)
-
-
-def process_tree(pids: Iterable[int]) -> frozenset[int]:
-    """`pids` and every live descendant of theirs (children, grandchildren, ...).
-
-    A pid that is gone stays in the set: it names nothing else until reused,
-    and the caller's record of it is what it is.
-    """
-    pids = list(pids)
-    return frozenset(pids) | {p.pid for p in _process_group(pids)}
-
-
-def _process_group(pids: Iterable[int]) -> list[psutil.Process]:
-    """The given processes and all their descendants, once each."""
-    found: dict[int, psutil.Process] = {}
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            kids = proc.children(recursive=True)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        for p in (proc, *kids):
-            found.setdefault(p.pid, p)
-    return list(found.values())
-
-
-def collect_usage(
-    *,
-    root: Path = Path("/"),
-    runner: Runner | None = None,
-    dirs: Sequence[str | Path] = (),
-    shards: Mapping[str, Collection[int]] | None = None,
-    llmgw_pids: Collection[int] = (),
-    nvml: NvmlLoader | None = load_pynvml,
-    sampler: UsageSampler | None = None,
-) -> Usage:
-    """One usage sample. Pass the same `sampler` each time to get rates;
-    without one, CPU utilisation and cores per shard are unknown."""
-    if sampler is None:
-        sampler = UsageSampler(root=root, runner=runner, dirs=dirs, nvml=nvml)
-    return sampler.sample(shards=shards, llmgw_pids=llmgw_pids)
 
 
 # --- Inventory ---------------------------------------------------------------------------------
@@ -870,7 +702,7 @@ def collect_inventory(
         load1=load.load1 if load else None,
         load5=load.load5 if load else None,
         load15=load.load15 if load else None,
-        gpus=_gpu_usage(gpu.gpus),
+        gpus=gpu_usage(gpu.gpus),
         filesystems=filesystems,
     )
     return Inventory(
