@@ -91,7 +91,14 @@ def test_ctl_usage_totals_equal_the_engines_figures(
         120,
     )
     (_, shard), *_ = ready_shards(cluster)
-    engine = httpx.Client(base_url=f"http://127.0.0.1:{shard['port']}", timeout=60)
+    # A connection per request: llama-server closes an idle kept-alive connection after a
+    # few seconds, and a request sent on one as it closes fails with "Server disconnected
+    # without sending a response" (it did once, on a busy machine).
+    engine = httpx.Client(
+        base_url=f"http://127.0.0.1:{shard['port']}",
+        timeout=60,
+        limits=httpx.Limits(max_keepalive_connections=0),
+    )
 
     def direct(messages: list[dict[str, str]], max_tokens: int) -> tuple[str, dict[str, Any]]:
         """The same request straight to the engine (not counted by the router), with
